@@ -1,0 +1,22 @@
+"""tf2sync: synchronous parameter-server training for TF2 and tf_keras.
+
+Importing tf2sync sets `TF_USE_LEGACY_KERAS=1` (if unset) so that
+`tf.keras` is tf_keras (Keras 2): Keras 3 does not support
+ParameterServerStrategy. Import tf2sync before tensorflow.
+"""
+
+import os
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+from tf2sync._src.optimizer import SyncOptimizer  # noqa: E402
+from tf2sync._src.strategy import SyncParameterServerStrategy  # noqa: E402
+from tf2sync import testing  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SyncOptimizer",
+    "SyncParameterServerStrategy",
+    "testing",
+]

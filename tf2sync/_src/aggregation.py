@@ -1,0 +1,372 @@
+"""Gradient aggregation on the parameter servers: tokens, staleness, apply.
+
+The protocol, for one synchronous optimizer with global step `g` (its
+`iterations` variable), `N = replicas_to_aggregate` and
+`M = total_num_replicas`:
+
+1. The chief enqueues `max(M, N)` tokens into a queue on `g`'s ps.
+2. Each replica step dequeues one token, then reads `g` as its *tag*. Every
+   model-variable read of the step is ordered after the tag read, so the
+   gradient is computed from weights at least as new as step `tag`.
+3. The replica packs its dense gradients into one tensor per (ps, dtype) and
+   its sparse gradients into deduplicated `(indices, values)` pairs, and
+   pushes them inside a `tf.CriticalSection` whose body runs on `g`'s ps:
+   * `tag < g`: the gradient is stale (its weights are older than the
+     current step). It is dropped and counted, never applied.
+   * otherwise it is added to the accumulators (dense: one buffer per
+     (ps, dtype); sparse: a queue per variable, so nothing of the
+     embedding's dense size is held per step) and the count rises.
+   * the push that brings the count to `N` applies the **mean** (sum divided
+     by the number of gradients accumulated) through the inner optimizer,
+     increments `g` by exactly 1, resets the accumulators and releases
+     `max(M, N)` tokens.
+4. A step that pushes nothing (evaluation) puts its token back.
+
+Guarantees: each update is applied exactly once (the critical section
+serialises pushes and only one push can bring the count to `N`); `g` rises
+by exactly 1 per update; a gradient tagged with an older step is never
+applied. Weights change only inside the apply, which ends with the `g`
+increment, so a step whose tag equals `g` at push time read only weights of
+step `g`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
+
+_STATE = threading.local()
+
+
+def in_sync_apply() -> bool:
+    """True while tf2sync traces its own update of the model variables."""
+    return getattr(_STATE, "apply_depth", 0) > 0
+
+
+class _SyncApplyScope:
+    def __enter__(self):
+        _STATE.apply_depth = getattr(_STATE, "apply_depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _STATE.apply_depth -= 1
+
+
+def _ps_variable(initial_value, device, name, dtype=None):
+    """A plain resource variable on `device`, outside any strategy creator."""
+    with tf.init_scope(), tf.device(device):
+        return resource_variable_ops.ResourceVariable(
+            initial_value, trainable=False, name=name, dtype=dtype
+        )
+
+
+@dataclasses.dataclass
+class _DenseGroup:
+    """Dense gradients of the variables on one ps with one dtype, packed."""
+
+    device: str
+    dtype: tf.DType
+    variables: list
+    sizes: list
+    buffer: tf.Variable
+
+
+@dataclasses.dataclass
+class _SparseSlot:
+    """Sparse gradients of one variable: a queue of (indices, values)."""
+
+    variable: object
+    queue: tf.queue.FIFOQueue
+
+
+class _Layout:
+    """How one set of variables' gradients is packed; built once, eagerly."""
+
+    def __init__(self, grads_and_vars, name):
+        self.keys = [_key(v) for _, v in grads_and_vars]
+        self.sparse_keys = frozenset(
+            _key(v)
+            for g, v in grads_and_vars
+            if isinstance(g, tf.IndexedSlices)
+        )
+        groups = collections.OrderedDict()
+        self.sparse = []
+        for g, v in grads_and_vars:
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                with tf.init_scope(), tf.device(v.device):
+                    queue = tf.queue.FIFOQueue(
+                        capacity=-1,
+                        dtypes=[tf.int64, v.dtype.base_dtype],
+                        name=f"{name}_sparse",
+                    )
+                self.sparse.append(_SparseSlot(v, queue))
+            else:
+                key = (v.device, v.dtype.base_dtype)
+                groups.setdefault(key, []).append(v)
+        self.dense = []
+        for (device, dtype), variables in groups.items():
+            sizes = [int(np.prod(v.shape.as_list())) for v in variables]
+            buffer = _ps_variable(
+                tf.zeros([sum(sizes)], dtype), device, f"{name}_acc"
+            )
+            self.dense.append(
+                _DenseGroup(device, dtype, variables, sizes, buffer)
+            )
+
+    def matches(self, grads_and_vars) -> bool:
+        return [_key(v) for _, v in grads_and_vars] == self.keys and (
+            frozenset(
+                _key(v)
+                for g, v in grads_and_vars
+                if isinstance(g, tf.IndexedSlices)
+            )
+            == self.sparse_keys
+        )
+
+
+def _key(variable):
+    return id(variable)
+
+
+class Aggregator:
+    """Token barrier and accumulators of one synchronous optimizer.
+
+    See the module docstring for the protocol. Created eagerly under the
+    strategy scope; `push` and `acquire` are called while tracing steps.
+    """
+
+    def __init__(self, config, global_step, apply_fn, name="tf2sync"):
+        """Creates the token queue, counters and critical section eagerly.
+
+        Args:
+          config: A `SyncConfig`.
+          global_step: The int64 step variable (the inner `iterations`).
+          apply_fn: `apply_fn(grads_and_vars) -> op`: applies aggregated
+            gradients once and increments `global_step` by 1.
+          name: Prefix of the variables and queues created.
+        """
+        self.config = config
+        self.global_step = global_step
+        self.device = global_step.device
+        self._apply_fn = apply_fn
+        self._name = name
+        self._layout = None
+        with tf.init_scope(), tf.device(self.device):
+            self._tokens = tf.queue.FIFOQueue(
+                capacity=-1, dtypes=[tf.int64], shapes=[[]], name=name + "_q"
+            )
+            self._cs = tf.CriticalSection(name=name + "_cs")
+        self.count = _ps_variable(
+            tf.constant(0, tf.int64), self.device, name + "_count"
+        )
+        self.acc_step = _ps_variable(
+            tf.constant(0, tf.int64), self.device, name + "_acc_step"
+        )
+        self.stale_dropped = _ps_variable(
+            tf.constant(0, tf.int64), self.device, name + "_stale"
+        )
+        self.accepted = _ps_variable(
+            tf.constant(0, tf.int64), self.device, name + "_accepted"
+        )
+        self.seed_tokens(config.tokens_per_step)
+
+    # Coordinator side -----------------------------------------------------
+
+    def seed_tokens(self, num_tokens: int) -> None:
+        """Enqueues `num_tokens` tokens now (eagerly, from the coordinator)."""
+        if num_tokens > 0:
+            with tf.init_scope(), tf.device(self.device):
+                self._tokens.enqueue_many(
+                    tf.fill([num_tokens], tf.constant(0, tf.int64))
+                )
+
+    def tokens_available(self) -> int:
+        with tf.init_scope(), tf.device(self.device):
+            return int(self._tokens.size())
+
+    def build(self, grads_and_vars) -> None:
+        """Creates the accumulators for these gradient types, eagerly."""
+        if self._layout is None:
+            self._layout = _Layout(grads_and_vars, self._name)
+        elif not self._layout.matches(grads_and_vars):
+            raise ValueError(
+                "SyncOptimizer was built for another list of variables (or "
+                "other dense/sparse gradient types). A synchronous optimizer "
+                "must update the same variables with the same gradient types "
+                "every step. Received variables: "
+                f"{[v.name for _, v in grads_and_vars]}"
+            )
+
+    # Step side (traced) ---------------------------------------------------
+
+    def acquire(self):
+        """Dequeues one token and returns the step tag read after it."""
+        with tf.device(self.device):
+            token = self._tokens.dequeue()
+            with tf.control_dependencies([token]):
+                return tf.identity(self.global_step.read_value())
+
+    def give_back(self, after):
+        """Returns one token after `after` (a step that pushed nothing)."""
+        with tf.control_dependencies(after), tf.device(self.device):
+            return self._tokens.enqueue(tf.constant(0, tf.int64))
+
+    def push(self, tag, grads_and_vars):
+        """Pushes one replica's gradients; returns True iff it applied."""
+        self.build(grads_and_vars)
+        layout = self._layout
+        by_key = {_key(v): g for g, v in grads_and_vars}
+        packed = [
+            tf.concat(
+                [
+                    tf.reshape(tf.convert_to_tensor(by_key[_key(v)]), [-1])
+                    for v in group.variables
+                ],
+                axis=0,
+            )
+            for group in layout.dense
+        ]
+        sparse = [_dedup(by_key[_key(s.variable)]) for s in layout.sparse]
+
+        def accept():
+            step = self.global_step.read_value()
+            reset = tf.cond(
+                tf.equal(self.acc_step.read_value(), step),
+                tf.no_op,
+                lambda: self._discard(step),
+            )
+            with tf.control_dependencies([reset]):
+                adds = [
+                    g.buffer.assign_add(p, read_value=False)
+                    for g, p in zip(layout.dense, packed)
+                ]
+                adds += [
+                    s.queue.enqueue([idx, val])
+                    for s, (idx, val) in zip(layout.sparse, sparse)
+                ]
+            with tf.control_dependencies(adds):
+                self.accepted.assign_add(1, read_value=False)
+                count = self.count.assign_add(1)
+            return tf.cond(
+                count >= self.config.replicas_to_aggregate,
+                lambda: self._apply(count),
+                lambda: tf.constant(False),
+            )
+
+        def reject():
+            with tf.control_dependencies(
+                [self.stale_dropped.assign_add(1, read_value=False)]
+            ):
+                return tf.constant(False)
+
+        def body():
+            fresh = tag >= self.global_step.read_value()
+            return tf.cond(fresh, accept, reject)
+
+        with tf.device(self.device):
+            return self._cs.execute(body)
+
+    def _drain_sparse(self, count):
+        """Dequeues `count` pushes of each sparse variable: sum, unique."""
+        grads = []
+        for slot in self._layout.sparse:
+            var = slot.variable
+            tail = var.shape[1:]
+
+            def cond(i, *_):
+                return i < count
+
+            def body(i, indices, values, slot=slot):
+                idx, val = slot.queue.dequeue()
+                return (
+                    i + 1,
+                    tf.concat([indices, idx], 0),
+                    tf.concat([values, val], 0),
+                )
+
+            _, indices, values = tf.while_loop(
+                cond,
+                body,
+                (
+                    tf.constant(0, tf.int64),
+                    tf.zeros([0], tf.int64),
+                    tf.zeros([0] + tail.as_list(), var.dtype.base_dtype),
+                ),
+                shape_invariants=(
+                    tf.TensorShape([]),
+                    tf.TensorShape([None]),
+                    tf.TensorShape([None]).concatenate(tail),
+                ),
+            )
+            grads.append(_dedup(tf.IndexedSlices(values, indices)))
+        return grads
+
+    def _discard(self, step):
+        """Drops leftovers of another step (e.g. after a checkpoint restore)."""
+        count = self.count.read_value()
+        drained = [i for i, _ in self._drain_sparse(count)]
+        with tf.control_dependencies(drained):
+            ops = [
+                g.buffer.assign(tf.zeros_like(g.buffer), read_value=False)
+                for g in self._layout.dense
+            ]
+            ops.append(self.stale_dropped.assign_add(count, read_value=False))
+            ops.append(self.count.assign(0, read_value=False))
+            ops.append(self.acc_step.assign(step, read_value=False))
+        return tf.group(ops)
+
+    def _apply(self, count):
+        """Applies the mean of the accumulated gradients; releases tokens."""
+        layout = self._layout
+        grads_and_vars = []
+        for group in layout.dense:
+            n = tf.cast(count, group.dtype)
+            flat = group.buffer.read_value() / n
+            for var, part in zip(
+                group.variables, tf.split(flat, group.sizes)
+            ):
+                grads_and_vars.append((tf.reshape(part, var.shape), var))
+        for slot, (idx, val) in zip(
+            layout.sparse, self._drain_sparse(count)
+        ):
+            n = tf.cast(count, val.dtype)
+            grads_and_vars.append(
+                (
+                    tf.IndexedSlices(
+                        val / n, idx, tf.shape(slot.variable, tf.int64)
+                    ),
+                    slot.variable,
+                )
+            )
+        with _SyncApplyScope():
+            applied = self._apply_fn(grads_and_vars)
+        with tf.control_dependencies([applied]):
+            resets = [
+                g.buffer.assign(tf.zeros_like(g.buffer), read_value=False)
+                for g in layout.dense
+            ]
+            resets.append(self.count.assign(0, read_value=False))
+            new_step = self.global_step.read_value()
+            resets.append(self.acc_step.assign(new_step, read_value=False))
+        with tf.control_dependencies(resets):
+            release = self._tokens.enqueue_many(
+                tf.fill([self.config.tokens_per_step], new_step)
+            )
+        with tf.control_dependencies([release]):
+            return tf.constant(True)
+
+
+def _dedup(grad):
+    """Sums duplicate rows of an `IndexedSlices`; returns (indices, values)."""
+    indices = tf.cast(grad.indices, tf.int64)
+    unique, positions = tf.unique(indices)
+    values = tf.math.unsorted_segment_sum(
+        grad.values, positions, tf.shape(unique)[0]
+    )
+    return unique, values

@@ -1,0 +1,235 @@
+"""SyncOptimizer: makes a tf_keras optimizer synchronous under the strategy."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import tf_keras
+
+from tf2sync._src import aggregation
+from tf2sync._src import keras_compat
+from tf2sync._src import strategy as strategy_lib
+
+
+class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
+    """Wraps a tf_keras optimizer so that its updates are synchronous.
+
+    Create it under `SyncParameterServerStrategy.scope()`. Each replica step
+    pushes its gradients to the parameter servers holding the variables; the
+    `replicas_to_aggregate`-th fresh push applies their **mean** (sum divided
+    by the number of gradients accumulated, not summed) through the wrapped
+    optimizer, exactly once, and `iterations` (the wrapped optimizer's, which
+    is the global step) rises by exactly 1. Gradients computed from weights
+    older than the current step are dropped and counted (`stale_dropped`).
+    Dense gradients are packed into one tensor per parameter server; sparse
+    (`tf.IndexedSlices`) gradients stay sparse end to end.
+
+    The wrapped optimizer keeps its own semantics: learning-rate schedules
+    (evaluated at the global step), clipping (applied to the mean), slots,
+    weight decay and EMA. Its slots and step are saved in checkpoints under
+    `inner_optimizer`.
+
+    Example::
+
+        with strategy.scope():
+            model = build_model()
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.Adam()),
+                loss="sparse_categorical_crossentropy")
+    """
+
+    def __init__(self, optimizer, name: str | None = None):
+        """Wraps `optimizer` and creates the synchronous state eagerly.
+
+        Args:
+          optimizer: A tf_keras optimizer, `tf.keras.optimizers.*` or
+            `tf.keras.optimizers.legacy.*`, not yet used.
+          name: Name of the wrapper; defaults to "Sync" + the inner name.
+
+        Raises:
+          TypeError: If `optimizer` is not a tf_keras optimizer.
+          ValueError: If not created under a `SyncParameterServerStrategy`
+            scope, or if that strategy already has a `SyncOptimizer`.
+        """
+        keras_compat.check_optimizer(optimizer)
+        keras_compat.check_not_loss_scaled(optimizer)
+        strategy = tf.distribute.get_strategy()
+        if not isinstance(strategy, strategy_lib.SyncParameterServerStrategy):
+            raise ValueError(
+                "SyncOptimizer must be created under "
+                "`tf2sync.SyncParameterServerStrategy(...).scope()`. "
+                f"Received strategy: {type(strategy).__name__}. A plain "
+                "ParameterServerStrategy has no step barrier, so it cannot "
+                "run a synchronous optimizer."
+            )
+        super().__init__(name=name or "Sync" + _inner_name(optimizer))
+        self._optimizer = optimizer
+        self._track_trackable(optimizer, "inner_optimizer")
+        self._strategy = strategy
+        with strategy.scope():
+            global_step = keras_compat.iterations(optimizer)
+        self._aggregator = aggregation.Aggregator(
+            strategy._sync_config,
+            global_step,
+            self._apply_aggregated,
+            name=self._name,
+        )
+        strategy._attach(self._aggregator)
+
+    # Delegation -----------------------------------------------------------
+
+    @property
+    def inner_optimizer(self):
+        """The wrapped optimizer."""
+        return self._optimizer
+
+    @property
+    def iterations(self):
+        """The global step: the wrapped optimizer's `iterations`."""
+        return self._optimizer.iterations
+
+    @iterations.setter
+    def iterations(self, variable):
+        self._optimizer.iterations = variable
+
+    @property
+    def learning_rate(self):
+        """The wrapped optimizer's learning rate (settable by callbacks)."""
+        return self._optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        self._optimizer.learning_rate = value
+
+    lr = learning_rate
+
+    def variables(self):
+        """The wrapped optimizer's variables (step, slots, hyperparameters)."""
+        return self._optimizer.variables()
+
+    @property
+    def weights(self):
+        return self.variables()
+
+    def get_slot_names(self):
+        return self._optimizer.get_slot_names()
+
+    def get_slot(self, var, slot_name):
+        return self._optimizer.get_slot(var, slot_name)
+
+    def get_config(self):
+        return {
+            "name": self._name,
+            "optimizer": tf_keras.optimizers.serialize(self._optimizer),
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = tf_keras.optimizers.deserialize(
+            config.pop("optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+    # Synchronous state ----------------------------------------------------
+
+    @property
+    def stale_dropped(self) -> tf.Variable:
+        """Pushed gradients dropped as stale (total, on the ps)."""
+        return self._aggregator.stale_dropped
+
+    @property
+    def gradients_accepted(self) -> tf.Variable:
+        """Pushed gradients accepted into an update (total, on the ps)."""
+        return self._aggregator.accepted
+
+    def build(self, var_list):
+        """Creates the wrapped optimizer's slots eagerly, under the scope.
+
+        `apply_gradients` does this on first use; call it yourself in a
+        custom loop to have every variable exist before training.
+
+        Args:
+          var_list: The trainable variables this optimizer will update.
+        """
+        with tf.init_scope(), self._strategy.scope():
+            keras_compat.build(self._optimizer, var_list)
+
+    def apply_gradients(
+        self, grads_and_vars, name=None, experimental_aggregate_gradients=True
+    ):
+        """Pushes this replica's gradients for a synchronous update.
+
+        Must be called once per step inside `strategy.run` (as `model.fit`
+        and the documented custom loop do).
+
+        Args:
+          grads_and_vars: `(gradient, variable)` pairs.
+          name: Ignored (kept for signature compatibility).
+          experimental_aggregate_gradients: Ignored: gradients are always
+            aggregated on the parameter servers.
+
+        Returns:
+          A boolean tensor: True iff this push completed a step and applied.
+
+        Raises:
+          RuntimeError: If called outside a step of the strategy.
+          ValueError: If no gradient is given for any variable.
+        """
+        del name, experimental_aggregate_gradients
+        grads_and_vars = list(grads_and_vars)
+        step = strategy_lib.current_step()
+        if step is None:
+            raise RuntimeError(
+                "SyncOptimizer.apply_gradients must run inside "
+                "`strategy.run(...)` of the SyncParameterServerStrategy it "
+                "was created under (model.fit does this; in a custom loop, "
+                "call it from the function passed to strategy.run)."
+            )
+        if step.pushed:
+            raise RuntimeError(
+                "SyncOptimizer.apply_gradients was called twice in one "
+                "step: a synchronous step pushes its gradients once."
+            )
+        if not any(g is not None for g, _ in grads_and_vars):
+            raise ValueError(
+                "No gradients provided for any variable: "
+                f"{[v.name for _, v in grads_and_vars]}."
+            )
+        step.pushed = True
+        context = tf.distribute.get_replica_context()
+        return context.merge_call(
+            self._push, args=(step.tag, grads_and_vars)
+        )
+
+    def _push(self, strategy, tag, grads_and_vars):
+        grads_and_vars = [
+            (_sum_local(strategy, g), v) for g, v in grads_and_vars
+        ]
+        self.build([v for _, v in grads_and_vars])
+        with tf.init_scope():
+            self._aggregator.build(grads_and_vars)
+        return self._aggregator.push(tag, grads_and_vars)
+
+    def _apply_aggregated(self, grads_and_vars):
+        return keras_compat.apply(self._optimizer, grads_and_vars)
+
+
+def _inner_name(optimizer):
+    name = getattr(optimizer, "_name", None) or getattr(optimizer, "name", "")
+    return str(name) or type(optimizer).__name__
+
+
+def _sum_local(strategy, value):
+    """Sums a per-replica gradient over this worker's local devices."""
+    if value is None or not isinstance(value, tf.distribute.DistributedValues):
+        return value
+    parts = strategy.experimental_local_results(value)
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.concat([p.values for p in parts], 0),
+            tf.concat([p.indices for p in parts], 0),
+            parts[0].dense_shape,
+        )
+    return tf.add_n(parts)

@@ -1,0 +1,188 @@
+"""SyncParameterServerStrategy: ParameterServerStrategy with a step barrier."""
+
+from __future__ import annotations
+
+import threading
+
+import tensorflow as tf
+from absl import logging
+from tensorflow.python.distribute import parameter_server_strategy_v2
+
+from tf2sync._src import aggregation
+from tf2sync._src import config as config_lib
+
+_STEP = threading.local()
+
+
+class StepContext:
+    """What one traced replica step knows: its tag, and whether it pushed."""
+
+    def __init__(self, tag):
+        self.tag = tag
+        self.pushed = False
+
+
+def current_step():
+    """The `StepContext` of the replica step being traced, or None."""
+    return getattr(_STEP, "context", None)
+
+
+class _StepScope:
+    def __init__(self, context):
+        self._context = context
+
+    def __enter__(self):
+        self._previous = current_step()
+        _STEP.context = self._context
+
+    def __exit__(self, *exc):
+        _STEP.context = self._previous
+
+
+_UNWRAPPED_MESSAGE = (
+    "A plain optimizer is updating variables under "
+    "SyncParameterServerStrategy, which would train asynchronously. Wrap it: "
+    "`optimizer=tf2sync.SyncOptimizer({})` under `strategy.scope()`."
+)
+
+
+class _SyncExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Extended):
+    """Refuses variable updates that do not come from a SyncOptimizer.
+
+    Every stock Keras optimizer applies through `extended.update`; tf2sync
+    applies inside its critical section and marks that region. An update
+    outside it would be an asynchronous apply, so it fails at trace time,
+    before the first step runs.
+    """
+
+    def _update(self, var, fn, args, kwargs, group):
+        if not aggregation.in_sync_apply():
+            raise TypeError(_UNWRAPPED_MESSAGE.format("<your optimizer>"))
+        return super()._update(var, fn, args, kwargs, group)
+
+
+class SyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy):
+    """A `ParameterServerStrategy` whose training steps are synchronous.
+
+    Protocol (per step of each replica, with the `SyncOptimizer` created
+    under this strategy's scope):
+
+    1. `run` dequeues one token from the queue beside the global step and
+       reads the global step as the step's tag; every op of the step is
+       ordered after that read.
+    2. The step computes its gradients; `SyncOptimizer.apply_gradients`
+       pushes them to the parameter servers, where they are averaged.
+    3. The `replicas_to_aggregate`-th fresh push applies the mean once,
+       increments the global step and releases `max(total, aggregate)`
+       tokens. Pushes tagged with an older step are dropped as stale.
+    4. A step that pushes nothing (evaluation) gives its token back.
+
+    Guarantees: each update is the mean of `replicas_to_aggregate` (or more,
+    if they arrived at once) gradients computed from the same weights; it is
+    applied exactly once; `optimizer.iterations` rises by exactly 1 per
+    update. Training with a plain (unwrapped) optimizer raises a `TypeError`
+    when the step is traced, before anything is applied.
+
+    Example::
+
+        resolver = tf2sync.testing.local_cluster(num_workers=2, num_ps=1)
+        strategy = tf2sync.SyncParameterServerStrategy(
+            resolver, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = tf.keras.Sequential([tf.keras.layers.Dense(1)])
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1)),
+                loss="mse")
+        model.fit(dataset, epochs=2, steps_per_epoch=10)
+    """
+
+    def __init__(
+        self,
+        cluster_resolver,
+        *,
+        replicas_to_aggregate: int,
+        total_num_replicas: int | None = None,
+        variable_partitioner=None,
+    ):
+        """Connects to the cluster and records the synchronous settings.
+
+        Args:
+          cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver`
+            naming `ps` and `worker` tasks (and the `chief`, this process).
+          replicas_to_aggregate: Gradients averaged into each update.
+          total_num_replicas: Replicas pushing gradients; `None` means
+            `replicas_to_aggregate`. More than `replicas_to_aggregate` gives
+            backup replicas; fewer means gradient accumulation.
+          variable_partitioner: Must be `None`: sharded variables are not
+            supported yet.
+
+        Raises:
+          TypeError: If a count is not an int.
+          ValueError: If a count is not positive, or a partitioner is given.
+        """
+        self._sync_config = config_lib.SyncConfig.create(
+            replicas_to_aggregate, total_num_replicas
+        )
+        if variable_partitioner is not None:
+            raise ValueError(
+                "`variable_partitioner`: sharded variables are not supported "
+                "by SyncParameterServerStrategy yet. Received: "
+                f"variable_partitioner={variable_partitioner!r}"
+            )
+        super().__init__(cluster_resolver)
+        self._extended.__class__ = _SyncExtended
+        self._aggregator = None
+        num_workers = self._extended._num_workers
+        if self._sync_config.total_num_replicas != num_workers:
+            logging.warning(
+                "total_num_replicas=%d but the cluster has %d workers.",
+                self._sync_config.total_num_replicas,
+                num_workers,
+            )
+        logging.info(
+            "SyncParameterServerStrategy: replicas_to_aggregate=%d, "
+            "total_num_replicas=%d",
+            self._sync_config.replicas_to_aggregate,
+            self._sync_config.total_num_replicas,
+        )
+
+    @property
+    def replicas_to_aggregate(self) -> int:
+        """Gradients averaged into each update."""
+        return self._sync_config.replicas_to_aggregate
+
+    @property
+    def total_num_replicas(self) -> int:
+        """Replicas pushing gradients (backups included)."""
+        return self._sync_config.total_num_replicas
+
+    def _attach(self, aggregator) -> None:
+        if self._aggregator is not None:
+            raise ValueError(
+                "This SyncParameterServerStrategy already has a SyncOptimizer: "
+                "one synchronous optimizer per strategy. Use "
+                "tf2sync.MultiOptimizer for several variable groups."
+            )
+        self._aggregator = aggregator
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """See base class. Adds the step barrier described above."""
+        aggregator = self._aggregator
+        if aggregator is None or not tf.inside_function():
+            return super().run(fn, args=args, kwargs=kwargs, options=options)
+        tag = aggregator.acquire()
+        step = StepContext(tag)
+
+        def step_fn(*a, **k):
+            with tf.control_dependencies([tag]), _StepScope(step):
+                return fn(*a, **k)
+
+        result = super().run(step_fn, args=args, kwargs=kwargs, options=options)
+        if not step.pushed:
+            outputs = [
+                t
+                for t in tf.nest.flatten(result, expand_composites=True)
+                if isinstance(t, tf.Tensor)
+            ]
+            aggregator.give_back(outputs)
+        return result
