@@ -195,6 +195,18 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
                 "No gradients provided for any variable: "
                 f"{[v.name for _, v in grads_and_vars]}."
             )
+        outside = [
+            v.name
+            for _, v in grads_and_vars
+            if not self._strategy.extended.variable_created_in_scope(v)
+        ]
+        if outside:
+            raise ValueError(
+                f"Variables {outside} were created outside "
+                "`strategy.scope()`: build the model under the "
+                "SyncParameterServerStrategy scope, so that its variables "
+                "live on the parameter servers."
+            )
         step.pushed = True
         context = tf.distribute.get_replica_context()
         return context.merge_call(

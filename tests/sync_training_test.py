@@ -1,0 +1,276 @@
+"""The synchronous contract, in the custom loop on ClusterCoordinator.
+
+Each test compares against a single-process reference: synchronous training
+with N replicas at batch B must follow single-process training at batch N*B.
+"""
+
+import time
+
+import numpy as np
+import tensorflow as tf
+from absl.testing import absltest
+from absl.testing import parameterized
+
+import testutil
+import tf2sync
+
+OPTIMIZERS = {
+    "sgd": lambda: tf.keras.optimizers.SGD(0.1),
+    "momentum": lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: tf.keras.optimizers.Adam(0.01),
+    "legacy_momentum": lambda: tf.keras.optimizers.legacy.SGD(
+        0.1, momentum=0.9
+    ),
+    "legacy_adam": lambda: tf.keras.optimizers.legacy.Adam(0.01),
+}
+
+
+def _reference(model_fn, opt_fn, batches):
+    """Single-process training, one step per batch."""
+    model = model_fn()
+    opt = opt_fn()
+    for x, y in batches:
+        with tf.GradientTape() as tape:
+            loss = testutil.mean_loss(y, model(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    return model.get_weights()
+
+
+class _Loop:
+    """A custom loop: one replica step per scheduled function."""
+
+    def __init__(self, strategy, model, optimizer, delay=False):
+        self.strategy = strategy
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
+            strategy
+        )
+        variables = model.trainable_variables
+
+        def replica_step(x, y, seconds):
+            if delay:
+                slept = tf.py_function(
+                    lambda s: time.sleep(float(s)) or 0.0,
+                    [seconds],
+                    tf.float32,
+                )
+                x = x + tf.cast(slept, x.dtype) * 0
+            with tf.GradientTape() as tape:
+                loss = testutil.mean_loss(y, model(x))
+            grads = tape.gradient(loss, variables)
+            return optimizer.apply_gradients(zip(grads, variables))
+
+        @tf.function
+        def step(x, y, seconds):
+            return strategy.run(replica_step, args=(x, y, seconds))
+
+        self.step = step
+
+    def round(self, batches, delays=None):
+        delays = delays or [0.0] * len(batches)
+        for (x, y), d in zip(batches, delays):
+            self.coordinator.schedule(
+                self.step, args=(x, y, tf.constant(d, tf.float32))
+            )
+        self.coordinator.join()
+
+
+class EquivalenceTest(parameterized.TestCase):
+    @parameterized.named_parameters(
+        ("dense_sgd", "dense", "sgd"),
+        ("dense_momentum", "dense", "momentum"),
+        ("dense_adam", "dense", "adam"),
+        ("dense_legacy_momentum", "dense", "legacy_momentum"),
+        ("dense_legacy_adam", "dense", "legacy_adam"),
+        ("sparse_momentum", "sparse", "momentum"),
+        ("sparse_adam", "sparse", "adam"),
+        ("sparse_legacy_momentum", "sparse", "legacy_momentum"),
+    )
+    def test_n_workers_at_b_equal_one_process_at_nb(self, kind, opt_name):
+        num_workers, batch, rounds = 2, 8, 4
+        model_fn = getattr(testutil, f"{kind}_model")
+        strategy = testutil.strategy(num_workers, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = model_fn()
+            opt = tf2sync.SyncOptimizer(OPTIMIZERS[opt_name]())
+            opt.build(model.trainable_variables)
+        x, y = testutil.data(kind, num_workers * batch * rounds)
+        loop = _Loop(strategy, model, opt)
+        global_batches = []
+        for r in range(rounds):
+            lo = r * num_workers * batch
+            parts = [
+                (x[lo + i * batch : lo + (i + 1) * batch],
+                 y[lo + i * batch : lo + (i + 1) * batch])
+                for i in range(num_workers)
+            ]
+            loop.round(parts)
+            global_batches.append(
+                (x[lo : lo + num_workers * batch],
+                 y[lo : lo + num_workers * batch])
+            )
+        expected = _reference(model_fn, OPTIMIZERS[opt_name], global_batches)
+        self.assertEqual(int(opt.iterations.numpy()), rounds)
+        self.assertEqual(int(opt.gradients_accepted.numpy()), 2 * rounds)
+        self.assertEqual(int(opt.stale_dropped.numpy()), 0)
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), expected), 1e-5
+        )
+
+    def test_accumulation_several_gradients_per_replica(self):
+        # replicas_to_aggregate=4 > total_num_replicas=2: each update is the
+        # mean of 4 gradients, so 2 workers train at an effective batch 4*B.
+        batch, rounds = 4, 3
+        strategy = testutil.strategy(
+            2, replicas_to_aggregate=4, total_num_replicas=2
+        )
+        with strategy.scope():
+            model = testutil.dense_model()
+            opt = tf2sync.SyncOptimizer(OPTIMIZERS["momentum"]())
+        x, y = testutil.data("dense", 4 * batch * rounds)
+        loop = _Loop(strategy, model, opt)
+        global_batches = []
+        for r in range(rounds):
+            lo = r * 4 * batch
+            loop.round(
+                [
+                    (x[lo + i * batch : lo + (i + 1) * batch],
+                     y[lo + i * batch : lo + (i + 1) * batch])
+                    for i in range(4)
+                ]
+            )
+            global_batches.append((x[lo : lo + 4 * batch], y[lo : lo + 4 * batch]))
+        expected = _reference(
+            testutil.dense_model, OPTIMIZERS["momentum"], global_batches
+        )
+        self.assertEqual(int(opt.iterations.numpy()), rounds)
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), expected), 1e-5
+        )
+
+
+class BackupWorkerTest(absltest.TestCase):
+    def test_slow_replica_is_dropped_as_stale_and_never_applied(self):
+        # 3 workers, 2 aggregated: the replica delayed after reading its tag
+        # pushes after the step was applied. Its gradient was computed from
+        # the old weights: it must be dropped and counted, never applied.
+        rounds = 3
+        strategy = testutil.strategy(
+            3, replicas_to_aggregate=2, total_num_replicas=3
+        )
+        with strategy.scope():
+            model = testutil.dense_model()
+            opt = tf2sync.SyncOptimizer(OPTIMIZERS["momentum"]())
+        x, y = testutil.data("dense", 16)
+        loop = _Loop(strategy, model, opt, delay=True)
+        for _ in range(rounds):
+            loop.round([(x, y)] * 3, delays=[0.0, 0.0, 1.5])
+        # Any two fresh gradients are equal (same batch, same weights), so
+        # the trajectory is `rounds` full-batch steps; an applied stale
+        # gradient (from older weights) would move it off.
+        expected = _reference(
+            testutil.dense_model, OPTIMIZERS["momentum"], [(x, y)] * rounds
+        )
+        self.assertEqual(int(opt.iterations.numpy()), rounds)
+        self.assertEqual(int(opt.stale_dropped.numpy()), rounds)
+        self.assertEqual(int(opt.gradients_accepted.numpy()), 2 * rounds)
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), expected), 1e-6
+        )
+
+
+class ConfigErrorTest(parameterized.TestCase):
+    def test_plain_optimizer_is_refused_before_any_update(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = testutil.dense_model()
+            model.compile(
+                optimizer=tf.keras.optimizers.SGD(0.1), loss=testutil.LOSS
+            )
+        before = model.get_weights()
+        x, y = testutil.data("dense", 16)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        with self.assertRaisesRegex(
+            TypeError, r"would train asynchronously. Wrap it"
+        ):
+            model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+        self.assertEqual(
+            testutil.max_abs_diff(model.get_weights(), before), 0.0
+        )
+
+    def test_sync_optimizer_under_plain_pss_is_refused(self):
+        plain = tf.distribute.experimental.ParameterServerStrategy(
+            testutil.cluster(2, 1)
+        )
+        with plain.scope():
+            with self.assertRaisesRegex(
+                ValueError,
+                r"SyncOptimizer must be created under "
+                r"`tf2sync.SyncParameterServerStrategy\(...\).scope\(\)`. "
+                r"Received strategy: ParameterServerStrategyV2",
+            ):
+                tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+
+    def test_outside_any_scope_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "Received strategy: _Default"):
+            tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+
+    def test_not_an_optimizer(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            with self.assertRaisesRegex(
+                TypeError,
+                r"`optimizer` must be a tf_keras optimizer .* Received: "
+                r"optimizer='sgd'",
+            ):
+                tf2sync.SyncOptimizer("sgd")
+
+    def test_model_built_outside_the_scope_fit(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        model = testutil.dense_model()  # outside strategy.scope()
+        with strategy.scope():
+            with self.assertRaisesRegex(
+                ValueError, r"was not created in the distribution strategy"
+            ):
+                model.compile(
+                    optimizer=tf2sync.SyncOptimizer(
+                        tf.keras.optimizers.SGD(0.1)
+                    ),
+                    loss=testutil.LOSS,
+                )
+
+    def test_model_built_outside_the_scope_custom_loop(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        model = testutil.dense_model()  # outside strategy.scope()
+        with strategy.scope():
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+        x, y = testutil.data("dense", 8)
+        loop = _Loop(strategy, model, opt)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"Variables \['dense.*/kernel:0', .*\] were created outside "
+            r"`strategy.scope\(\)`",
+        ):
+            loop.round([(x, y)])
+
+    @parameterized.named_parameters(
+        ("zero", {"replicas_to_aggregate": 0}, ValueError,
+         r"`replicas_to_aggregate` must be a positive int. Received: "
+         r"replicas_to_aggregate=0$"),
+        ("float", {"replicas_to_aggregate": 2.0}, TypeError,
+         r"Received: replicas_to_aggregate=2.0 \(of type float\)"),
+        ("string", {"replicas_to_aggregate": "2"}, TypeError,
+         r"Received: replicas_to_aggregate='2' \(of type str\)"),
+        ("total", {"replicas_to_aggregate": 2, "total_num_replicas": -1},
+         ValueError, r"Received: total_num_replicas=-1$"),
+        ("partitioner", {"replicas_to_aggregate": 2,
+                         "variable_partitioner": "fixed"},
+         ValueError, r"`variable_partitioner`: sharded variables"),
+    )
+    def test_bad_strategy_arguments(self, kwargs, error, message):
+        with self.assertRaisesRegex(error, message):
+            tf2sync.SyncParameterServerStrategy(testutil.cluster(2, 1), **kwargs)
+
+
+if __name__ == "__main__":
+    absltest.main()

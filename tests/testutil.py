@@ -1,0 +1,84 @@
+"""Shared test helpers: one in-process cluster per shape per process.
+
+In-process servers cannot be stopped, so a test process starts each
+cluster shape once and every test builds a fresh strategy on it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+import tf2sync
+
+
+_CURRENT = {}
+
+
+def cluster(num_workers: int = 2, num_ps: int = 1):
+    """The process's cluster of this shape, started on first use.
+
+    Only the latest cluster is reused: reconnecting to an earlier one would
+    restart the chief's server on a port its unstoppable predecessor holds.
+    """
+    shape = (num_workers, num_ps)
+    if shape not in _CURRENT:
+        _CURRENT.clear()
+        _CURRENT[shape] = tf2sync.testing.local_cluster(num_workers, num_ps)
+    return _CURRENT[shape]
+
+
+def strategy(num_workers=2, num_ps=1, **kwargs):
+    return tf2sync.SyncParameterServerStrategy(
+        cluster(num_workers, num_ps), **kwargs
+    )
+
+
+def dense_model(seed=0):
+    tf.keras.utils.set_random_seed(seed)
+    return tf.keras.Sequential(
+        [
+            tf.keras.layers.Dense(8, activation="relu", input_shape=(4,)),
+            tf.keras.layers.Dense(3),
+        ]
+    )
+
+
+def sparse_model(seed=0, vocab=50):
+    tf.keras.utils.set_random_seed(seed)
+    return tf.keras.Sequential(
+        [
+            tf.keras.layers.Embedding(vocab, 4, input_length=5),
+            tf.keras.layers.GlobalAveragePooling1D(),
+            tf.keras.layers.Dense(3),
+        ]
+    )
+
+
+def data(kind, n, seed=0, vocab=50):
+    rng = np.random.RandomState(seed)
+    if kind == "dense":
+        x = rng.randn(n, 4).astype("float32")
+    else:
+        x = rng.randint(0, vocab, size=(n, 5)).astype("int64")
+    y = rng.randint(0, 3, size=(n,)).astype("int64")
+    return x, y
+
+
+LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def mean_loss(y, logits):
+    """Mean cross-entropy over the batch (usable inside strategy.run)."""
+    return tf.reduce_mean(
+        tf.keras.losses.sparse_categorical_crossentropy(
+            y, logits, from_logits=True
+        )
+    )
+
+
+def max_abs_diff(a_weights, b_weights):
+    return max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(a_weights, b_weights)
+    )
