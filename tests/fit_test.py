@@ -1,0 +1,104 @@
+"""model.fit under SyncParameterServerStrategy."""
+
+import numpy as np
+import tensorflow as tf
+from absl.testing import absltest
+from absl.testing import parameterized
+
+import testutil
+import tf2sync
+
+
+def _reference(x, y, steps, opt_fn, seed=0):
+    model = testutil.dense_model(seed)
+    opt = opt_fn()
+    for _ in range(steps):
+        with tf.GradientTape() as tape:
+            loss = testutil.mean_loss(y, model(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    return model
+
+
+class FitTest(parameterized.TestCase):
+    @parameterized.named_parameters(
+        # 41 steps per epoch: not a multiple of the 2 workers.
+        ("spe1_odd_steps", 1, 41),
+        ("spe10_odd_steps", 10, 41),
+        ("spe5_even_steps", 5, 20),
+    )
+    def test_fit_matches_full_batch_reference(self, spe, steps_per_epoch):
+        # Every worker sees the same full batch, so any 2 fresh gradients
+        # average to the full-batch gradient: U updates must equal U
+        # single-process full-batch steps, whatever the interleaving.
+        epochs = 2
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        opt_fn = lambda: tf.keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+        with strategy.scope():
+            model = testutil.dense_model()
+            optimizer = tf2sync.SyncOptimizer(opt_fn())
+            model.compile(
+                optimizer=optimizer,
+                loss=testutil.LOSS,
+                steps_per_execution=spe,
+            )
+        x, y = testutil.data("dense", 32)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        history = model.fit(
+            ds, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0
+        )
+        pushes = epochs * steps_per_epoch
+        updates = int(optimizer.iterations.numpy())
+        self.assertEqual(int(optimizer.gradients_accepted.numpy()), pushes)
+        self.assertEqual(int(optimizer.stale_dropped.numpy()), 0)
+        # Each update takes exactly 2 pushes; an odd total leaves one pending.
+        self.assertEqual(updates, pushes // 2)
+        self.assertEqual(model.optimizer.iterations.numpy(), updates)
+        expected = _reference(x, y, updates, opt_fn)
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), expected.get_weights()),
+            1e-5,
+        )
+        self.assertLen(history.history["loss"], epochs)
+
+    def test_validation_and_evaluate_leave_weights_and_tokens(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = testutil.dense_model()
+            optimizer = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.05))
+            model.compile(
+                optimizer=optimizer,
+                loss=testutil.LOSS,
+                metrics=["accuracy"],
+            )
+        x, y = testutil.data("dense", 32)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        val = tf.data.Dataset.from_tensors((x, y)).repeat()
+        history = model.fit(
+            ds,
+            epochs=2,
+            steps_per_epoch=4,
+            validation_data=val,
+            validation_steps=3,
+            verbose=0,
+        )
+        self.assertEqual(int(optimizer.iterations.numpy()), 4)
+        aggregator = optimizer._aggregator
+        # Evaluation borrowed and returned its tokens: all are back.
+        self.assertEqual(aggregator.tokens_available(), 2)
+        # The reported validation loss is the loss of the final weights.
+        local = testutil.dense_model(seed=1)
+        local.set_weights(model.get_weights())
+        expected = float(testutil.mean_loss(y, local(x)))
+        self.assertAlmostEqual(
+            history.history["val_loss"][-1], expected, places=5
+        )
+        loss, accuracy = model.evaluate(val, steps=5, verbose=0)
+        self.assertAlmostEqual(loss, expected, places=5)
+        pred = np.argmax(local(x).numpy(), axis=1)
+        self.assertAlmostEqual(accuracy, float(np.mean(pred == y)), places=5)
+        self.assertEqual(int(optimizer.iterations.numpy()), 4)
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,176 @@
+"""The tf2sync binary: real multi-process clusters on 127.0.0.1."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from absl.testing import absltest
+from absl.testing import parameterized
+
+import tf2sync
+
+_ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+_ENV.pop("TF_CONFIG", None)
+_RESULT = re.compile(
+    r"accuracy=(\S+) sync_steps_applied=(\d+) stale_gradients_dropped=(\d+)"
+)
+
+
+def _launch(args, env=None, timeout=240):
+    return subprocess.run(
+        [sys.executable, "-m", "tf2sync", *args],
+        capture_output=True,
+        text=True,
+        env=env or _ENV,
+        timeout=timeout,
+    )
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class _Tasks:
+    """ps/worker tasks started by the test itself, ended by PID."""
+
+    def __init__(self, spec, env=None):
+        self.processes = []
+        for job in ("ps", "worker"):
+            for i in range(len(spec[job])):
+                args = [
+                    f"--job_name={job}",
+                    f"--task_index={i}",
+                    "--ps_hosts=" + ",".join(spec["ps"]),
+                    "--worker_hosts=" + ",".join(spec["worker"]),
+                    "--chief_host=" + spec["chief"][0],
+                ]
+                task_env = dict(env or _ENV)
+                if env and "TF_CONFIG" in env:
+                    config = json.loads(env["TF_CONFIG"])
+                    config["task"] = {"type": job, "index": i}
+                    task_env["TF_CONFIG"] = json.dumps(config)
+                    args = []
+                self.processes.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tf2sync", *args],
+                        env=task_env,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
+
+    def stop(self):
+        for p in self.processes:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait(timeout=30)
+        return [p.pid for p in self.processes]
+
+
+class LaunchTest(parameterized.TestCase):
+    def _check_result(self, out, epochs, steps):
+        match = _RESULT.search(out.stdout)
+        self.assertIsNotNone(match, out.stdout + out.stderr[-3000:])
+        accuracy, applied, stale = match.groups()
+        self.assertGreater(float(accuracy), 0.5)
+        # 2 workers, 2 aggregated: one update per 2 pushes.
+        self.assertEqual(int(applied), epochs * steps // 2)
+        self.assertEqual(int(stale), 0)
+
+    def test_main_job_local_cluster_ends_every_process(self):
+        out = _launch(["--epochs=2", "--steps_per_epoch=10"])
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        self._check_result(out, 2, 10)
+        pids = json.loads(re.search(r"pids=(\[.*\])", out.stdout).group(1))
+        self.assertLen(pids, 3)
+        for pid in pids:
+            self.assertFalse(_alive(pid), f"task {pid} left behind")
+
+    def test_tf1_style_flags(self):
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        tasks = _Tasks(spec)
+        try:
+            out = _launch(
+                [
+                    "--job_name=chief",
+                    "--ps_hosts=" + ",".join(spec["ps"]),
+                    "--worker_hosts=" + ",".join(spec["worker"]),
+                    "--chief_host=" + spec["chief"][0],
+                    "--epochs=2",
+                    "--steps_per_epoch=20",
+                ]
+            )
+        finally:
+            pids = tasks.stop()
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        self._check_result(out, 2, 20)
+        self.assertFalse(any(_alive(p) for p in pids))
+
+    def test_tf_config(self):
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        env = dict(_ENV)
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": spec, "task": {"type": "chief", "index": 0}}
+        )
+        tasks = _Tasks(spec, env=env)
+        try:
+            out = _launch(["--epochs=2", "--steps_per_epoch=20"], env=env)
+        finally:
+            tasks.stop()
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        self._check_result(out, 2, 20)
+
+    def test_unreachable_task_times_out_naming_it(self):
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        out = _launch(
+            [
+                "--job_name=chief",
+                "--ps_hosts=" + ",".join(spec["ps"]),
+                "--worker_hosts=" + ",".join(spec["worker"]),
+                "--chief_host=" + spec["chief"][0],
+                "--connect_timeout=2",
+            ]
+        )
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn(
+            f"No task answered at {spec['ps'][0]} within 2 s", out.stderr
+        )
+
+    @parameterized.named_parameters(
+        ("no_hosts", ["--job_name=worker"],
+         "--job_name needs --ps_hosts and --worker_hosts. Received: "
+         "--ps_hosts= --worker_hosts="),
+        ("bad_host", ["--job_name=ps", "--ps_hosts=localhost",
+                      "--worker_hosts=127.0.0.1:1"],
+         "--ps_hosts must be host:port entries. Received: "
+         "--ps_hosts=localhost"),
+        ("index", ["--job_name=worker", "--task_index=2",
+                   "--ps_hosts=127.0.0.1:1", "--worker_hosts=127.0.0.1:2"],
+         "--task_index=2 but --worker_hosts names 1 task(s)."),
+        ("local_cluster", ["--local_cluster=2"],
+         "--local_cluster must be WORKERS,PS with positive ints. "
+         "Received: --local_cluster=2"),
+        ("bad_role", ["--job_name=driver"],
+         "value should be one of <ps|worker|chief|evaluator>"),
+    )
+    def test_flag_errors(self, args, message):
+        out = _launch(args, timeout=60)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn(message, out.stderr)
+
+    def test_malformed_tf_config(self):
+        env = dict(_ENV, TF_CONFIG="{not json")
+        out = _launch([], env=env, timeout=60)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("TF_CONFIG is not valid JSON", out.stderr)
+
+
+if __name__ == "__main__":
+    absltest.main()

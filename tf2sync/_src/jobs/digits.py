@@ -1,0 +1,57 @@
+"""The default job: an MLP on scikit-learn's digits (offline, 1,797 images).
+
+A job module gives the launcher four things; write your own with the same
+names and pass `--job_module=your.module`:
+
+* `build_model() -> tf.keras.Model`, called under the strategy scope;
+* `train_dataset(input_context, batch_size) -> tf.data.Dataset`, repeated;
+* `eval_arrays() -> (x, y)`, held-out NumPy arrays;
+* `LOSS` and `METRICS`, passed to `model.compile`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+LOSS = "sparse_categorical_crossentropy"
+METRICS = ["accuracy"]
+_NUM_TRAIN = 1500
+
+
+def _arrays():
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype("float32")
+    y = digits.target.astype("int64")
+    order = np.random.RandomState(0).permutation(len(x))
+    return x[order], y[order]
+
+
+def build_model() -> tf.keras.Model:
+    return tf.keras.Sequential(
+        [
+            tf.keras.layers.Dense(64, activation="relu", input_shape=(64,)),
+            tf.keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+
+
+def train_dataset(input_context, batch_size: int) -> tf.data.Dataset:
+    x, y = _arrays()
+    ds = tf.data.Dataset.from_tensor_slices((x[:_NUM_TRAIN], y[:_NUM_TRAIN]))
+    if input_context is not None:
+        ds = ds.shard(
+            input_context.num_input_pipelines, input_context.input_pipeline_id
+        )
+    return ds.shuffle(_NUM_TRAIN, seed=0).repeat().batch(batch_size)
+
+
+def eval_arrays():
+    x, y = _arrays()
+    return x[_NUM_TRAIN:], y[_NUM_TRAIN:]
+
+
+def num_train_examples() -> int:
+    return _NUM_TRAIN

@@ -1,0 +1,340 @@
+"""The `tf2sync` binary: ps / worker / chief roles, or a whole local cluster.
+
+Modes, in order of precedence:
+
+* `--job_name=ps|worker --task_index=i --ps_hosts=... --worker_hosts=...`
+  (TF1 style): serve as that task until killed.
+* `--job_name=chief ...` with the same host flags: run the training job.
+* `TF_CONFIG` set (Kubernetes, Slurm): the role it names.
+* otherwise `--local_cluster=WORKERS,PS` (default `2,1`): start each ps and
+  worker as a subprocess on 127.0.0.1 and run the chief here; every process
+  is ended by PID at the end or on Ctrl-C.
+
+TF's gRPC servers listen on all interfaces without authentication: keep the
+cluster's ports on a private network. The launcher warns when a host list
+names a public address.
+"""
+
+from __future__ import annotations
+
+import importlib
+import ipaddress
+import json
+import os
+import signal
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+_JOB_NAME = flags.DEFINE_enum(
+    "job_name",
+    None,
+    ["ps", "worker", "chief", "evaluator"],
+    "This task's role (TF1 style). Unset: TF_CONFIG, else --local_cluster.",
+)
+_TASK_INDEX = flags.DEFINE_integer("task_index", 0, "This task's index.")
+_PS_HOSTS = flags.DEFINE_list("ps_hosts", [], "ps tasks, host:port,...")
+_WORKER_HOSTS = flags.DEFINE_list(
+    "worker_hosts", [], "worker tasks, host:port,..."
+)
+_CHIEF_HOST = flags.DEFINE_string(
+    "chief_host", None, "The chief (coordinator) task, host:port."
+)
+_LOCAL_CLUSTER = flags.DEFINE_string(
+    "local_cluster",
+    "2,1",
+    "WORKERS,PS: start this cluster as local subprocesses on 127.0.0.1 "
+    "(used when neither --job_name nor TF_CONFIG is set).",
+)
+_REPLICAS_TO_AGGREGATE = flags.DEFINE_integer(
+    "replicas_to_aggregate",
+    None,
+    "Gradients averaged per update (default: the number of workers).",
+)
+_TOTAL_NUM_REPLICAS = flags.DEFINE_integer(
+    "total_num_replicas",
+    None,
+    "Replicas pushing gradients (default: the number of workers).",
+)
+_JOB_MODULE = flags.DEFINE_string(
+    "job_module",
+    "tf2sync._src.jobs.digits",
+    "Module with build_model, train_dataset, eval_arrays, LOSS, METRICS.",
+)
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Batch per replica.")
+_EPOCHS = flags.DEFINE_integer("epochs", 10, "Epochs to train.")
+_STEPS_PER_EPOCH = flags.DEFINE_integer(
+    "steps_per_epoch", None, "Replica steps per epoch (default: one pass)."
+)
+_STEPS_PER_EXECUTION = flags.DEFINE_integer(
+    "steps_per_execution", 10, "Synchronous steps per scheduled function."
+)
+_LEARNING_RATE = flags.DEFINE_float("learning_rate", 0.1, "SGD rate.")
+_MOMENTUM = flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
+_CONNECT_TIMEOUT = flags.DEFINE_float(
+    "connect_timeout", 60.0, "Seconds to wait for each task to answer."
+)
+_TASK_LOG_DIR = flags.DEFINE_string(
+    "task_log_dir", None, "Where local-cluster tasks write their logs."
+)
+
+
+def _validate_host_list(name, hosts):
+    for host in hosts:
+        if ":" not in host or not host.rsplit(":", 1)[1].isdigit():
+            raise flags.ValidationError(
+                f"--{name} must be host:port entries. Received: "
+                f"--{name}={','.join(hosts)}"
+            )
+    return True
+
+
+flags.register_validator(
+    "ps_hosts", lambda v: _validate_host_list("ps_hosts", v)
+)
+flags.register_validator(
+    "worker_hosts", lambda v: _validate_host_list("worker_hosts", v)
+)
+flags.register_validator(
+    "task_index",
+    lambda v: v >= 0,
+    message="--task_index must be >= 0.",
+)
+
+
+def _parse_local_cluster(value):
+    parts = value.split(",")
+    try:
+        workers, ps = (int(p) for p in parts)
+    except ValueError:
+        workers = ps = 0
+    if len(parts) != 2 or workers <= 0 or ps <= 0:
+        raise app.UsageError(
+            "--local_cluster must be WORKERS,PS with positive ints. "
+            f"Received: --local_cluster={value}"
+        )
+    return workers, ps
+
+
+def _warn_public(hosts):
+    for host in hosts:
+        name = host.rsplit(":", 1)[0]
+        try:
+            address = ipaddress.ip_address(name)
+        except ValueError:
+            continue
+        if address.is_global:
+            logging.warning(
+                "%s is a public address: TF's gRPC servers accept any "
+                "connection without authentication. Keep cluster ports on a "
+                "private network.",
+                host,
+            )
+
+
+def _spec_from_flags():
+    if not _PS_HOSTS.value or not _WORKER_HOSTS.value:
+        raise app.UsageError(
+            "--job_name needs --ps_hosts and --worker_hosts. Received: "
+            f"--ps_hosts={','.join(_PS_HOSTS.value)} "
+            f"--worker_hosts={','.join(_WORKER_HOSTS.value)}"
+        )
+    spec = {"ps": _PS_HOSTS.value, "worker": _WORKER_HOSTS.value}
+    if _CHIEF_HOST.value:
+        spec["chief"] = [_CHIEF_HOST.value]
+    job = _JOB_NAME.value
+    if job in spec and _TASK_INDEX.value >= len(spec[job]):
+        raise app.UsageError(
+            f"--task_index={_TASK_INDEX.value} but --{job}_hosts names "
+            f"{len(spec[job])} task(s)."
+        )
+    if job == "chief" and "chief" not in spec:
+        raise app.UsageError("--job_name=chief needs --chief_host.")
+    _warn_public([h for hosts in spec.values() for h in hosts])
+    return spec
+
+
+def _serve(spec, job, index):
+    """Runs a ps or worker server until SIGTERM/SIGINT."""
+    import tensorflow as tf
+
+    from tf2sync._src import cluster as cluster_lib
+
+    num_workers = len(spec.get("worker", []))
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(spec),
+        job_name=job,
+        task_index=index,
+        protocol="grpc",
+        config=cluster_lib.server_config(num_workers),
+        start=True,
+    )
+    logging.info("Serving %s:%d at %s", job, index, server.target)
+    # In-process servers cannot be stopped: exit the process on a signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: os._exit(0))
+    server.join()
+
+
+def train(resolver, job):
+    """Runs the training job as chief; returns a dict of results."""
+    import tensorflow as tf
+
+    import tf2sync
+
+    num_workers = len(resolver.cluster_spec().as_dict()["worker"])
+    rta = _REPLICAS_TO_AGGREGATE.value or num_workers
+    total = _TOTAL_NUM_REPLICAS.value or max(num_workers, rta)
+    strategy = tf2sync.SyncParameterServerStrategy(
+        resolver, replicas_to_aggregate=rta, total_num_replicas=total
+    )
+    with strategy.scope():
+        model = job.build_model()
+        optimizer = tf2sync.SyncOptimizer(
+            tf.keras.optimizers.SGD(
+                _LEARNING_RATE.value, momentum=_MOMENTUM.value
+            )
+        )
+        model.compile(
+            optimizer=optimizer,
+            loss=job.LOSS,
+            metrics=list(job.METRICS),
+            steps_per_execution=_STEPS_PER_EXECUTION.value,
+        )
+    steps = _STEPS_PER_EPOCH.value or max(
+        1, job.num_train_examples() // (_BATCH_SIZE.value * num_workers)
+    )
+    print(
+        f"tf2sync: {num_workers} workers, "
+        f"{len(resolver.cluster_spec().as_dict()['ps'])} ps, "
+        f"replicas_to_aggregate={rta}, total_num_replicas={total}, "
+        f"{steps} steps/epoch",
+        flush=True,
+    )
+    batch = _BATCH_SIZE.value
+    data = tf.keras.utils.experimental.DatasetCreator(
+        lambda ctx: job.train_dataset(ctx, batch)
+    )
+    start = time.monotonic()
+    model.fit(data, epochs=_EPOCHS.value, steps_per_epoch=steps, verbose=2)
+    seconds = time.monotonic() - start
+    x, y = job.eval_arrays()
+    local = job.build_model()
+    local.set_weights(model.get_weights())
+    local.compile(loss=job.LOSS, metrics=list(job.METRICS))
+    _, accuracy = local.evaluate(x, y, verbose=0)
+    result = {
+        "accuracy": float(accuracy),
+        "sync_steps_applied": int(optimizer.iterations.numpy()),
+        "stale_gradients_dropped": int(optimizer.stale_dropped.numpy()),
+        "seconds": round(seconds, 2),
+    }
+    print(
+        f"accuracy={result['accuracy']:.4f} "
+        f"sync_steps_applied={result['sync_steps_applied']} "
+        f"stale_gradients_dropped={result['stale_gradients_dropped']}",
+        flush=True,
+    )
+    return result
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+        import tensorflow as tf
+
+        tf.get_logger().setLevel("WARNING")
+    code = _main()
+    # Remote resources cannot be deleted once the tasks are gone; skip the
+    # interpreter's teardown, which would try (and log every failure).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _main():
+    job_name = _JOB_NAME.value
+    if job_name in ("ps", "worker"):
+        _serve(_spec_from_flags(), job_name, _TASK_INDEX.value)
+        return 0
+    job = importlib.import_module(_JOB_MODULE.value)
+    if job_name == "chief":
+        import tensorflow as tf
+
+        spec = _spec_from_flags()
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(spec),
+            task_type="chief",
+            task_id=0,
+            rpc_layer="grpc",
+        )
+        _wait_all(spec)
+        train(resolver, job)
+        return 0
+    if job_name == "evaluator":
+        raise app.UsageError(
+            "--job_name=evaluator is not supported yet: evaluate on the chief."
+        )
+    if os.environ.get("TF_CONFIG"):
+        return _main_tf_config(job)
+    from tf2sync._src import processes
+
+    workers, ps = _parse_local_cluster(_LOCAL_CLUSTER.value)
+    cluster = processes.LocalProcessCluster(workers, ps, log_dir=_TASK_LOG_DIR.value)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        resolver = cluster.start(timeout=_CONNECT_TIMEOUT.value)
+        print(f"tf2sync: local task pids={cluster.pids}", flush=True)
+        train(resolver, job)
+    finally:
+        cluster.stop()
+    return 0
+
+
+def _wait_all(spec):
+    from tf2sync._src import processes
+
+    for address in spec["ps"] + spec["worker"]:
+        processes.wait_for_port(address, _CONNECT_TIMEOUT.value)
+
+
+def _main_tf_config(job):
+    import tensorflow as tf
+
+    try:
+        config = json.loads(os.environ["TF_CONFIG"])
+    except json.JSONDecodeError as e:
+        raise app.UsageError(f"TF_CONFIG is not valid JSON: {e}") from None
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    spec = resolver.cluster_spec().as_dict()
+    task = config.get("task", {})
+    task_type, index = task.get("type"), task.get("index", 0)
+    if not spec.get("ps") or not spec.get("worker"):
+        raise app.UsageError(
+            "TF_CONFIG must name 'ps' and 'worker' tasks. Received cluster: "
+            f"{spec}"
+        )
+    _warn_public([h for hosts in spec.values() for h in hosts])
+    if task_type in ("ps", "worker"):
+        _serve(spec, task_type, index)
+        return 0
+    if task_type == "chief":
+        _wait_all(spec)
+        train(resolver, job)
+        return 0
+    raise app.UsageError(
+        "TF_CONFIG task.type must be chief, ps or worker. Received: "
+        f"{task_type!r}"
+    )
+
+
+def run():
+    """Console-script entry point."""
+    app.run(main)
