@@ -140,9 +140,9 @@ def run_loop(strategy, workload, k, functions, sync):
         inner = tf.keras.optimizers.SGD(0.01, momentum=0.9)
         opt = tf2sync.SyncOptimizer(inner) if sync else inner
         opt.build(model.trainable_variables)
-    it = iter(coordinator.create_per_worker_dataset(
-        lambda: dataset(workload, batch)
-    ))
+    it = iter(
+        coordinator.create_per_worker_dataset(lambda: dataset(workload, batch))
+    )
 
     def replica(data):
         x, y = data
@@ -197,7 +197,10 @@ def run_fit(strategy, workload, k, functions, sync):
     before = _pushes(opt, sync)
     timer = _Timer()
     model.fit(
-        ds, epochs=1, steps_per_epoch=functions * k, verbose=0,
+        ds,
+        epochs=1,
+        steps_per_epoch=functions * k,
+        verbose=0,
         callbacks=[timer],
     )
     pushes = _pushes(opt, sync) - before if sync else functions * k
@@ -221,8 +224,10 @@ def main(argv):
                         resolver, replicas_to_aggregate=workers
                     )
                 else:
-                    strategy = tf.distribute.experimental.ParameterServerStrategy(
-                        resolver
+                    strategy = (
+                        tf.distribute.experimental.ParameterServerStrategy(
+                            resolver
+                        )
                     )
                 runner = run_fit if system.endswith("fit") else run_loop
                 value = runner(strategy, workload, k, functions, sync)
@@ -242,8 +247,10 @@ def main(argv):
                 with open(_OUTPUT.value, "a") as f:
                     f.write(line + "\n")
     base = statistics.median(results.get("pss_async_loop") or [1.0])
-    print(f"\n| system ({workload}, {workers} workers) | median ex/s | "
-          "vs pss_async_loop |")
+    print(
+        f"\n| system ({workload}, {workers} workers) | median ex/s | "
+        "vs pss_async_loop |"
+    )
     print("|---|---|---|")
     for system, values in results.items():
         median = statistics.median(values)

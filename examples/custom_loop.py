@@ -32,13 +32,18 @@ def main(num_functions=20):
     x = rng.randn(512, 8).astype("float32")
     y = (x @ rng.randn(8, 1)).astype("float32")
 
+    tf.keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(8,))])
+        model = tf.keras.Sequential(
+            [tf.keras.layers.Dense(1, input_shape=(8,))]
+        )
         optimizer = tf2sync.SyncOptimizer(
             tf.keras.optimizers.SGD(0.05, momentum=0.9)
         )
         # Create every slot now, eagerly, under the scope.
         optimizer.build(model.trainable_variables)
+
+    initial_loss = float(np.mean((model(x).numpy() - y) ** 2))
 
     def dataset_fn():
         return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
@@ -67,11 +72,12 @@ def main(num_functions=20):
     coordinator.join()
     final_loss = float(np.mean((model(x).numpy() - y) ** 2))
     print(
-        f"loss={last.fetch():.5f} full_data_loss={final_loss:.5f} "
+        f"loss={last.fetch():.5f} full_data_loss: {initial_loss:.4f} -> "
+        f"{final_loss:.5f} "
         f"sync_steps_applied={int(optimizer.iterations.numpy())} "
         f"stale_gradients_dropped={int(optimizer.stale_dropped.numpy())}"
     )
-    return optimizer, final_loss
+    return optimizer, initial_loss, final_loss
 
 
 if __name__ == "__main__":

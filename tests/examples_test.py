@@ -20,11 +20,11 @@ def _load(name):
 class CustomLoopExampleTest(absltest.TestCase):
     def test_custom_loop_trains_synchronously(self):
         example = _load("custom_loop")
-        optimizer, final_loss = example.main(num_functions=10)
+        optimizer, initial, final = example.main(num_functions=10)
         pushes = 10 * example.STEPS_PER_FUNCTION
         self.assertEqual(int(optimizer.gradients_accepted.numpy()), pushes)
         self.assertEqual(int(optimizer.iterations.numpy()), pushes // 2)
-        self.assertLess(final_loss, 0.05)
+        self.assertLess(final, 0.1 * initial)
 
 
 if __name__ == "__main__":

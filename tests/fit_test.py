@@ -2,10 +2,10 @@
 
 import numpy as np
 import tensorflow as tf
+import testutil
 from absl.testing import absltest
 from absl.testing import parameterized
 
-import testutil
 import tf2sync
 
 

@@ -7,10 +7,14 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 
 import tf2sync
+
+# Every test here starts real processes.
+pytestmark = pytest.mark.slow
 
 _ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
 _ENV.pop("TF_CONFIG", None)
@@ -144,21 +148,43 @@ class LaunchTest(parameterized.TestCase):
         )
 
     @parameterized.named_parameters(
-        ("no_hosts", ["--job_name=worker"],
-         "--job_name needs --ps_hosts and --worker_hosts. Received: "
-         "--ps_hosts= --worker_hosts="),
-        ("bad_host", ["--job_name=ps", "--ps_hosts=localhost",
-                      "--worker_hosts=127.0.0.1:1"],
-         "--ps_hosts must be host:port entries. Received: "
-         "--ps_hosts=localhost"),
-        ("index", ["--job_name=worker", "--task_index=2",
-                   "--ps_hosts=127.0.0.1:1", "--worker_hosts=127.0.0.1:2"],
-         "--task_index=2 but --worker_hosts names 1 task(s)."),
-        ("local_cluster", ["--local_cluster=2"],
-         "--local_cluster must be WORKERS,PS with positive ints. "
-         "Received: --local_cluster=2"),
-        ("bad_role", ["--job_name=driver"],
-         "value should be one of <ps|worker|chief|evaluator>"),
+        (
+            "no_hosts",
+            ["--job_name=worker"],
+            "--job_name needs --ps_hosts and --worker_hosts. Received: "
+            "--ps_hosts= --worker_hosts=",
+        ),
+        (
+            "bad_host",
+            [
+                "--job_name=ps",
+                "--ps_hosts=localhost",
+                "--worker_hosts=127.0.0.1:1",
+            ],
+            "--ps_hosts must be host:port entries. Received: "
+            "--ps_hosts=localhost",
+        ),
+        (
+            "index",
+            [
+                "--job_name=worker",
+                "--task_index=2",
+                "--ps_hosts=127.0.0.1:1",
+                "--worker_hosts=127.0.0.1:2",
+            ],
+            "--task_index=2 but --worker_hosts names 1 task(s).",
+        ),
+        (
+            "local_cluster",
+            ["--local_cluster=2"],
+            "--local_cluster must be WORKERS,PS with positive ints. "
+            "Received: --local_cluster=2",
+        ),
+        (
+            "bad_role",
+            ["--job_name=driver"],
+            "value should be one of <ps|worker|chief|evaluator>",
+        ),
     )
     def test_flag_errors(self, args, message):
         out = _launch(args, timeout=60)

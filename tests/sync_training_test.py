@@ -6,12 +6,11 @@ with N replicas at batch B must follow single-process training at batch N*B.
 
 import time
 
-import numpy as np
 import tensorflow as tf
+import testutil
 from absl.testing import absltest
 from absl.testing import parameterized
 
-import testutil
 import tf2sync
 
 OPTIMIZERS = {
@@ -100,14 +99,18 @@ class EquivalenceTest(parameterized.TestCase):
         for r in range(rounds):
             lo = r * num_workers * batch
             parts = [
-                (x[lo + i * batch : lo + (i + 1) * batch],
-                 y[lo + i * batch : lo + (i + 1) * batch])
+                (
+                    x[lo + i * batch : lo + (i + 1) * batch],
+                    y[lo + i * batch : lo + (i + 1) * batch],
+                )
                 for i in range(num_workers)
             ]
             loop.round(parts)
             global_batches.append(
-                (x[lo : lo + num_workers * batch],
-                 y[lo : lo + num_workers * batch])
+                (
+                    x[lo : lo + num_workers * batch],
+                    y[lo : lo + num_workers * batch],
+                )
             )
         expected = _reference(model_fn, OPTIMIZERS[opt_name], global_batches)
         self.assertEqual(int(opt.iterations.numpy()), rounds)
@@ -134,12 +137,16 @@ class EquivalenceTest(parameterized.TestCase):
             lo = r * 4 * batch
             loop.round(
                 [
-                    (x[lo + i * batch : lo + (i + 1) * batch],
-                     y[lo + i * batch : lo + (i + 1) * batch])
+                    (
+                        x[lo + i * batch : lo + (i + 1) * batch],
+                        y[lo + i * batch : lo + (i + 1) * batch],
+                    )
                     for i in range(4)
                 ]
             )
-            global_batches.append((x[lo : lo + 4 * batch], y[lo : lo + 4 * batch]))
+            global_batches.append(
+                (x[lo : lo + 4 * batch], y[lo : lo + 4 * batch])
+            )
         expected = _reference(
             testutil.dense_model, OPTIMIZERS["momentum"], global_batches
         )
@@ -254,22 +261,43 @@ class ConfigErrorTest(parameterized.TestCase):
             loop.round([(x, y)])
 
     @parameterized.named_parameters(
-        ("zero", {"replicas_to_aggregate": 0}, ValueError,
-         r"`replicas_to_aggregate` must be a positive int. Received: "
-         r"replicas_to_aggregate=0$"),
-        ("float", {"replicas_to_aggregate": 2.0}, TypeError,
-         r"Received: replicas_to_aggregate=2.0 \(of type float\)"),
-        ("string", {"replicas_to_aggregate": "2"}, TypeError,
-         r"Received: replicas_to_aggregate='2' \(of type str\)"),
-        ("total", {"replicas_to_aggregate": 2, "total_num_replicas": -1},
-         ValueError, r"Received: total_num_replicas=-1$"),
-        ("partitioner", {"replicas_to_aggregate": 2,
-                         "variable_partitioner": "fixed"},
-         ValueError, r"`variable_partitioner`: sharded variables"),
+        (
+            "zero",
+            {"replicas_to_aggregate": 0},
+            ValueError,
+            r"`replicas_to_aggregate` must be a positive int. Received: "
+            r"replicas_to_aggregate=0$",
+        ),
+        (
+            "float",
+            {"replicas_to_aggregate": 2.0},
+            TypeError,
+            r"Received: replicas_to_aggregate=2.0 \(of type float\)",
+        ),
+        (
+            "string",
+            {"replicas_to_aggregate": "2"},
+            TypeError,
+            r"Received: replicas_to_aggregate='2' \(of type str\)",
+        ),
+        (
+            "total",
+            {"replicas_to_aggregate": 2, "total_num_replicas": -1},
+            ValueError,
+            r"Received: total_num_replicas=-1$",
+        ),
+        (
+            "partitioner",
+            {"replicas_to_aggregate": 2, "variable_partitioner": "fixed"},
+            ValueError,
+            r"`variable_partitioner`: sharded variables",
+        ),
     )
     def test_bad_strategy_arguments(self, kwargs, error, message):
         with self.assertRaisesRegex(error, message):
-            tf2sync.SyncParameterServerStrategy(testutil.cluster(2, 1), **kwargs)
+            tf2sync.SyncParameterServerStrategy(
+                testutil.cluster(2, 1), **kwargs
+            )
 
 
 if __name__ == "__main__":

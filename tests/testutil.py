@@ -11,7 +11,6 @@ import tensorflow as tf
 
 import tf2sync
 
-
 _CURRENT = {}
 
 

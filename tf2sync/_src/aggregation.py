@@ -328,13 +328,9 @@ class Aggregator:
         for group in layout.dense:
             n = tf.cast(count, group.dtype)
             flat = group.buffer.read_value() / n
-            for var, part in zip(
-                group.variables, tf.split(flat, group.sizes)
-            ):
+            for var, part in zip(group.variables, tf.split(flat, group.sizes)):
                 grads_and_vars.append((tf.reshape(part, var.shape), var))
-        for slot, (idx, val) in zip(
-            layout.sparse, self._drain_sparse(count)
-        ):
+        for slot, (idx, val) in zip(layout.sparse, self._drain_sparse(count)):
             n = tf.cast(count, val.dtype)
             grads_and_vars.append(
                 (

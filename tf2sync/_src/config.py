@@ -11,48 +11,48 @@ import numbers
 
 
 def check_positive_int(name: str, value) -> int:
-  """Returns `value` if it is a positive int, else raises naming `name`."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(
-        f"`{name}` must be a positive int. Received: {name}={value!r} "
-        f"(of type {type(value).__name__})"
-    )
-  if value <= 0:
-    raise ValueError(
-        f"`{name}` must be a positive int. Received: {name}={value!r}"
-    )
-  return int(value)
+    """Returns `value` if it is a positive int, else raises naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"`{name}` must be a positive int. Received: {name}={value!r} "
+            f"(of type {type(value).__name__})"
+        )
+    if value <= 0:
+        raise ValueError(
+            f"`{name}` must be a positive int. Received: {name}={value!r}"
+        )
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
-  """How many gradients make one synchronous step.
+    """How many gradients make one synchronous step.
 
-  Attributes:
-    replicas_to_aggregate: Fresh gradients averaged into each update (N).
-    total_num_replicas: Replicas pushing gradients (M). `M > N` gives
-      `M - N` backup replicas whose late gradients are dropped as stale;
-      `N > M` makes each replica contribute several gradients per update.
-  """
+    Attributes:
+      replicas_to_aggregate: Fresh gradients averaged into each update (N).
+      total_num_replicas: Replicas pushing gradients (M). `M > N` gives
+        `M - N` backup replicas whose late gradients are dropped as stale;
+        `N > M` makes each replica contribute several gradients per update.
+    """
 
-  replicas_to_aggregate: int
-  total_num_replicas: int
+    replicas_to_aggregate: int
+    total_num_replicas: int
 
-  @classmethod
-  def create(cls, replicas_to_aggregate, total_num_replicas=None):
-    """Validates the arguments; `total_num_replicas=None` means N (as TF1)."""
-    rta = check_positive_int("replicas_to_aggregate", replicas_to_aggregate)
-    if total_num_replicas is None:
-      total = rta
-    else:
-      total = check_positive_int("total_num_replicas", total_num_replicas)
-    return cls(replicas_to_aggregate=rta, total_num_replicas=total)
+    @classmethod
+    def create(cls, replicas_to_aggregate, total_num_replicas=None):
+        """Validates; `total_num_replicas=None` means N (as in TF1)."""
+        rta = check_positive_int("replicas_to_aggregate", replicas_to_aggregate)
+        if total_num_replicas is None:
+            total = rta
+        else:
+            total = check_positive_int("total_num_replicas", total_num_replicas)
+        return cls(replicas_to_aggregate=rta, total_num_replicas=total)
 
-  @property
-  def tokens_per_step(self) -> int:
-    """Tokens released per applied update: `max(M, N)`, as in TF1."""
-    return max(self.replicas_to_aggregate, self.total_num_replicas)
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens released per applied update: `max(M, N)`, as in TF1."""
+        return max(self.replicas_to_aggregate, self.total_num_replicas)
 
-  @property
-  def num_backup_replicas(self) -> int:
-    return max(0, self.total_num_replicas - self.replicas_to_aggregate)
+    @property
+    def num_backup_replicas(self) -> int:
+        return max(0, self.total_num_replicas - self.replicas_to_aggregate)

@@ -287,7 +287,9 @@ def _main():
     from tf2sync._src import processes
 
     workers, ps = _parse_local_cluster(_LOCAL_CLUSTER.value)
-    cluster = processes.LocalProcessCluster(workers, ps, log_dir=_TASK_LOG_DIR.value)
+    cluster = processes.LocalProcessCluster(
+        workers, ps, log_dir=_TASK_LOG_DIR.value
+    )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         resolver = cluster.start(timeout=_CONNECT_TIMEOUT.value)

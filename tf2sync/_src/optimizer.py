@@ -209,9 +209,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             )
         step.pushed = True
         context = tf.distribute.get_replica_context()
-        return context.merge_call(
-            self._push, args=(step.tag, grads_and_vars)
-        )
+        return context.merge_call(self._push, args=(step.tag, grads_and_vars))
 
     def _push(self, strategy, tag, grads_and_vars):
         grads_and_vars = [

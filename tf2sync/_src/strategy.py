@@ -46,7 +46,9 @@ _UNWRAPPED_MESSAGE = (
 )
 
 
-class _SyncExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Extended):
+class _SyncExtended(
+    parameter_server_strategy_v2.ParameterServerStrategyV2Extended
+):
     """Refuses variable updates that do not come from a SyncOptimizer.
 
     Every stock Keras optimizer applies through `extended.update`; tf2sync
@@ -61,7 +63,9 @@ class _SyncExtended(parameter_server_strategy_v2.ParameterServerStrategyV2Extend
         return super()._update(var, fn, args, kwargs, group)
 
 
-class SyncParameterServerStrategy(tf.distribute.experimental.ParameterServerStrategy):
+class SyncParameterServerStrategy(
+    tf.distribute.experimental.ParameterServerStrategy
+):
     """A `ParameterServerStrategy` whose training steps are synchronous.
 
     Protocol (per step of each replica, with the `SyncOptimizer` created
