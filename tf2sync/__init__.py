@@ -10,12 +10,14 @@ import os
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 from tf2sync import testing  # noqa: E402
+from tf2sync._src.multi_optimizer import MultiOptimizer  # noqa: E402
 from tf2sync._src.optimizer import SyncOptimizer  # noqa: E402
 from tf2sync._src.strategy import SyncParameterServerStrategy  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MultiOptimizer",
     "SyncOptimizer",
     "SyncParameterServerStrategy",
     "testing",

@@ -61,7 +61,9 @@ def build(optimizer, var_list) -> None:
     variables created inside a traced step cannot be lifted under PSS.
     """
     with tf.init_scope():
-        if is_legacy(optimizer):
+        if hasattr(optimizer, "apply_aggregated"):  # tf2sync.MultiOptimizer
+            optimizer.build(var_list)
+        elif is_legacy(optimizer):
             optimizer._create_all_weights(var_list)
         else:
             optimizer.build(var_list)
@@ -86,6 +88,8 @@ def apply(optimizer, grads_and_vars, apply_state=None) -> tf.Operation:
     """
     del apply_state
     grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+    if hasattr(optimizer, "apply_aggregated"):  # tf2sync.MultiOptimizer
+        return optimizer.apply_aggregated(grads_and_vars)
     if is_legacy(optimizer):
         _apply_legacy(optimizer, grads_and_vars)
     else:

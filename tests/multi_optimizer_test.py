@@ -1,0 +1,188 @@
+"""MultiOptimizer: routing by identity, and groups inside one sync step."""
+
+import numpy as np
+import tensorflow as tf
+import testutil
+from absl.testing import absltest
+
+import tf2sync
+
+
+def _two_towers():
+    """Two sub-models whose layers share names: a trap for name routing."""
+    tf.keras.utils.set_random_seed(0)
+    a = tf.keras.Sequential(
+        [tf.keras.layers.Dense(3, name="fc", input_shape=(4,))], name="a"
+    )
+    b = tf.keras.Sequential(
+        [tf.keras.layers.Dense(3, name="fc", input_shape=(4,))], name="b"
+    )
+    x = tf.keras.Input((4,))
+    model = tf.keras.Model(x, a(x) + b(x))
+    return model, a, b
+
+
+class RoutingTest(absltest.TestCase):
+    def test_same_name_layers_go_to_their_own_group(self):
+        model, a, b = _two_towers()
+        self.assertEqual(
+            a.trainable_weights[0].name, b.trainable_weights[0].name
+        )
+        opt_a = tf.keras.optimizers.SGD(0.1)
+        opt_b = tf.keras.optimizers.SGD(0.0)
+        multi = tf2sync.MultiOptimizer([(opt_a, a), (opt_b, b)])
+        routes = multi.route(model.trainable_variables)
+        self.assertEqual(
+            [id(v) for v in routes[0]], [id(v) for v in a.trainable_weights]
+        )
+        self.assertEqual(
+            [id(v) for v in routes[1]], [id(v) for v in b.trainable_weights]
+        )
+
+    def test_two_groups_match_one_variable(self):
+        model = testutil.dense_model()
+        multi = tf2sync.MultiOptimizer(
+            groups={
+                "kernel": tf.keras.optimizers.SGD(0.1),
+                "dense": tf.keras.optimizers.SGD(0.2),
+            }
+        )
+        with self.assertRaisesRegex(
+            ValueError,
+            r"Variable dense\S*/kernel:0 is matched by several groups: "
+            r"\[\"group 0 \(regex 'kernel'\)\", "
+            r"\"group 1 \(regex 'dense'\)\"\]",
+        ):
+            multi.route(model.trainable_variables)
+
+    def test_unmatched_without_default(self):
+        model = testutil.dense_model()
+        multi = tf2sync.MultiOptimizer(
+            groups={"kernel": tf.keras.optimizers.SGD(0.1)}
+        )
+        with self.assertRaisesRegex(
+            ValueError,
+            r"Variable dense\S*/bias:0 is matched by no group and there is "
+            r"no `default` optimizer. Groups: "
+            r"\[\"group 0 \(regex 'kernel'\)\"\]",
+        ):
+            multi.route(model.trainable_variables)
+
+    def test_default_catches_the_rest(self):
+        model = testutil.dense_model()
+        multi = tf2sync.MultiOptimizer(
+            groups={lambda v: "kernel" in v.name: tf.keras.optimizers.SGD()},
+            default=tf.keras.optimizers.Adam(),
+        )
+        routes = multi.route(model.trainable_variables)
+        self.assertLen(routes[0], 2)
+        self.assertLen(routes[1], 2)
+
+    def test_not_an_optimizer(self):
+        with self.assertRaisesRegex(TypeError, "`group optimizer` must be"):
+            tf2sync.MultiOptimizer(groups={"x": "sgd"})
+
+
+class SyncMultiOptimizerTest(absltest.TestCase):
+    def _groups(self, model):
+        """The seed scenario: conv at lr, dense kernels 10*lr, biases 20*lr."""
+        lr = 0.01
+        return tf2sync.MultiOptimizer(
+            groups={
+                lambda v: "conv" in v.name and "kernel" in v.name: (
+                    tf.keras.optimizers.SGD(lr, momentum=0.9)
+                ),
+                lambda v: "dense" in v.name and "kernel" in v.name: (
+                    tf.keras.optimizers.SGD(10 * lr, momentum=0.9)
+                ),
+                lambda v: "bias" in v.name: tf.keras.optimizers.SGD(
+                    20 * lr, momentum=0.9
+                ),
+            }
+        )
+
+    def _conv_model(self):
+        tf.keras.utils.set_random_seed(0)
+        return tf.keras.Sequential(
+            [
+                tf.keras.layers.Conv2D(4, 3, input_shape=(6, 6, 1)),
+                tf.keras.layers.Flatten(),
+                tf.keras.layers.Dense(3),
+            ]
+        )
+
+    def test_three_groups_match_reference_and_step_once(self):
+        rounds, batch = 3, 4
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = self._conv_model()
+            multi = self._groups(model)
+            opt = tf2sync.SyncOptimizer(multi)
+            opt.build(model.trainable_variables)
+        rng = np.random.RandomState(0)
+        x = rng.randn(2 * batch * rounds, 6, 6, 1).astype("float32")
+        y = rng.randint(0, 3, 2 * batch * rounds)
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+        def replica(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = testutil.mean_loss(yb, model(xb))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        @tf.function
+        def step(xb, yb):
+            strategy.run(replica, args=(xb, yb))
+
+        for r in range(rounds):
+            for i in range(2):
+                lo = (2 * r + i) * batch
+                coordinator.schedule(
+                    step, args=(x[lo : lo + batch], y[lo : lo + batch])
+                )
+            coordinator.join()
+        # Global step: +1 per synchronous step, not once per group.
+        self.assertEqual(int(opt.iterations.numpy()), rounds)
+        for group in multi.optimizers:
+            self.assertEqual(int(group.iterations.numpy()), rounds)
+        # Equivalence: one process, same groups, batch 2*B.
+        ref = self._conv_model()
+        ref_multi = self._groups(ref)
+        for r in range(rounds):
+            lo = 2 * r * batch
+            with tf.GradientTape() as tape:
+                loss = testutil.mean_loss(
+                    y[lo : lo + 2 * batch], ref(x[lo : lo + 2 * batch])
+                )
+            grads = tape.gradient(loss, ref.trainable_variables)
+            ref_multi.apply_gradients(zip(grads, ref.trainable_variables))
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), ref.get_weights()),
+            1e-5,
+        )
+
+    def test_frozen_group_does_not_move(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model, a, b = _two_towers()
+            multi = tf2sync.MultiOptimizer(
+                [
+                    (tf.keras.optimizers.SGD(0.1, momentum=0.9), a),
+                    (tf.keras.optimizers.SGD(0.0, momentum=0.9), b),
+                ]
+            )
+            model.compile(optimizer=tf2sync.SyncOptimizer(multi), loss="mse")
+        before_a = [w.copy() for w in a.get_weights()]
+        before_b = [w.copy() for w in b.get_weights()]
+        rng = np.random.RandomState(0)
+        x = rng.randn(16, 4).astype("float32")
+        y = rng.randn(16, 3).astype("float32")
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=1, steps_per_epoch=6, verbose=0)
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 3)
+        self.assertEqual(testutil.max_abs_diff(b.get_weights(), before_b), 0.0)
+        self.assertGreater(testutil.max_abs_diff(a.get_weights(), before_a), 0)
+
+
+if __name__ == "__main__":
+    absltest.main()

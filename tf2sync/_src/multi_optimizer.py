@@ -1,0 +1,197 @@
+"""MultiOptimizer: one optimizer per variable group, routed by identity."""
+
+from __future__ import annotations
+
+import re
+
+import tensorflow as tf
+import tf_keras
+
+from tf2sync._src import keras_compat
+
+
+def _variables_of(target):
+    """Trainable variables of a layer, a model, a variable, or a list."""
+    if isinstance(target, (list, tuple)):
+        out = []
+        for t in target:
+            out.extend(_variables_of(t))
+        return out
+    if isinstance(target, tf.Variable):
+        return [target]
+    if hasattr(target, "trainable_weights"):
+        return list(target.trainable_weights)
+    raise TypeError(
+        "A group must be a layer, a model, a variable or a list of them. "
+        f"Received: {target!r}"
+    )
+
+
+class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
+    """Routes each variable to exactly one optimizer.
+
+    Two forms, and an optional default for variables no group matches:
+
+    * tensorflow-addons' form, `MultiOptimizer([(optimizer, layers), ...])`,
+      where `layers` is a layer, a model, a variable or a list of them;
+    * `MultiOptimizer(groups={pattern_or_callable: optimizer, ...})`, where
+      a string is a regex searched in `variable.name` and a callable takes
+      the variable and returns a bool.
+
+    Routing is decided once, when the optimizer is built, and stored by
+    variable identity: two layers with the same name in two sub-models go to
+    their own groups. A variable matched by two groups, or by none without a
+    `default`, raises a `ValueError` listing the variable and the groups.
+
+    Each step applies every group's optimizer once and increments this
+    optimizer's `iterations` by exactly 1. Under `SyncOptimizer` the
+    gradients of all groups are aggregated together, then each group applies
+    its share of the mean. Group learning rates stay settable between steps
+    (`multi.optimizers[i].learning_rate = ...`).
+    """
+
+    def __init__(
+        self,
+        optimizers_and_layers=None,
+        *,
+        groups=None,
+        default=None,
+        name: str = "MultiOptimizer",
+    ):
+        """Creates the router; see the class docstring for the forms.
+
+        Args:
+          optimizers_and_layers: `[(optimizer, layers), ...]` (addons form).
+          groups: `{regex_or_callable: optimizer}`.
+          default: Optimizer for variables that no group matches.
+          name: Name of this optimizer.
+
+        Raises:
+          TypeError: If an optimizer is not a tf_keras optimizer.
+          ValueError: If no group is given.
+        """
+        super().__init__(name=name)
+        specs = []
+        for optimizer, target in optimizers_and_layers or []:
+            specs.append(("layers", target, optimizer))
+        for key, optimizer in (groups or {}).items():
+            kind = "regex" if isinstance(key, str) else "callable"
+            if kind == "callable" and not callable(key):
+                raise TypeError(
+                    "`groups` keys must be regex strings or callables. "
+                    f"Received: {key!r}"
+                )
+            specs.append((kind, key, optimizer))
+        if not specs and default is None:
+            raise ValueError(
+                "`optimizers_and_layers` or `groups`: give at least one "
+                "group. Received: optimizers_and_layers="
+                f"{optimizers_and_layers!r}, groups={groups!r}"
+            )
+        for _, _, optimizer in specs:
+            keras_compat.check_optimizer(optimizer, "group optimizer")
+        if default is not None:
+            keras_compat.check_optimizer(default, "default")
+        self._specs = specs
+        self._default = default
+        self.optimizers = [o for _, _, o in specs] + (
+            [default] if default is not None else []
+        )
+        for i, optimizer in enumerate(self.optimizers):
+            self._track_trackable(optimizer, f"group_{i}")
+        self._routes = None
+        _ = self.iterations  # The global step: created now, eagerly.
+
+    def _describe(self, index):
+        if index == len(self._specs):
+            return "default"
+        kind, key, _ = self._specs[index]
+        if kind == "layers":
+            return f"group {index} (layers)"
+        return f"group {index} ({kind} {key!r})"
+
+    def route(self, var_list):
+        """Returns `{group_index: [variables]}`; raises on 0 or 2+ matches."""
+        members = []
+        for kind, key, _ in self._specs:
+            if kind == "layers":
+                ids = {id(v) for v in _variables_of(key)}
+                members.append(lambda v, ids=ids: id(v) in ids)
+            elif kind == "regex":
+                pattern = re.compile(key)
+                members.append(lambda v, p=pattern: bool(p.search(v.name)))
+            else:
+                members.append(key)
+        routes = {}
+        for var in var_list:
+            hits = [i for i, m in enumerate(members) if m(var)]
+            if len(hits) > 1:
+                raise ValueError(
+                    f"Variable {var.name} is matched by several groups: "
+                    f"{[self._describe(i) for i in hits]}. Each variable "
+                    "must belong to exactly one group."
+                )
+            if not hits:
+                if self._default is None:
+                    raise ValueError(
+                        f"Variable {var.name} is matched by no group and "
+                        "there is no `default` optimizer. Groups: "
+                        f"{[self._describe(i) for i in range(len(members))]}"
+                    )
+                hits = [len(self._specs)]
+            routes.setdefault(hits[0], []).append(var)
+        return routes
+
+    def build(self, var_list):
+        """Routes `var_list` and builds every group's slots, eagerly."""
+        routes = self.route(var_list)
+        self._routes = {
+            id(v): i for i, variables in routes.items() for v in variables
+        }
+        for i, variables in routes.items():
+            keras_compat.build(self.optimizers[i], variables)
+
+    def _split(self, grads_and_vars):
+        if self._routes is None or any(
+            id(v) not in self._routes for _, v in grads_and_vars
+        ):
+            with tf.init_scope():
+                self.build([v for _, v in grads_and_vars])
+        parts = {}
+        for g, v in grads_and_vars:
+            parts.setdefault(self._routes[id(v)], []).append((g, v))
+        return parts
+
+    def apply_aggregated(self, grads_and_vars):
+        """Applies each group's share once; increments `iterations` by 1.
+
+        Used by `SyncOptimizer` inside its critical section.
+        """
+        done = [
+            keras_compat.apply(self.optimizers[i], gv)
+            for i, gv in self._split(grads_and_vars).items()
+        ]
+        with tf.control_dependencies(done):
+            return self.iterations.assign_add(1).op
+
+    def apply_gradients(self, grads_and_vars, name=None, **kwargs):
+        """Single-process apply: each group's optimizer, then one step."""
+        del name, kwargs
+        grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+        ops = [
+            self.optimizers[i].apply_gradients(gv)
+            for i, gv in self._split(grads_and_vars).items()
+        ]
+        with tf.control_dependencies([o for o in ops if o is not None]):
+            return self.iterations.assign_add(1)
+
+    def variables(self):
+        out = [self.iterations]
+        for optimizer in self.optimizers:
+            out.extend(optimizer.variables())
+        return out
+
+    def get_config(self):
+        # Groups hold live layers and callables: only the name serializes.
+        # Checkpoints (tf.train.Checkpoint) save every group's slots.
+        return {"name": self._name}
