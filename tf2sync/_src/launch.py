@@ -74,7 +74,11 @@ _STEPS_PER_EPOCH = flags.DEFINE_integer(
 _STEPS_PER_EXECUTION = flags.DEFINE_integer(
     "steps_per_execution", 10, "Synchronous steps per scheduled function."
 )
-_LEARNING_RATE = flags.DEFINE_float("learning_rate", 0.1, "SGD rate.")
+_LEARNING_RATE = flags.DEFINE_float(
+    "learning_rate",
+    0.01,
+    "Base SGD rate (the default job scales it per variable group).",
+)
 _MOMENTUM = flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
 _CONNECT_TIMEOUT = flags.DEFINE_float(
     "connect_timeout", 60.0, "Seconds to wait for each task to answer."
@@ -195,11 +199,7 @@ def train(resolver, job):
     )
     with strategy.scope():
         model = job.build_model()
-        optimizer = tf2sync.SyncOptimizer(
-            tf.keras.optimizers.SGD(
-                _LEARNING_RATE.value, momentum=_MOMENTUM.value
-            )
-        )
+        optimizer = tf2sync.SyncOptimizer(_inner_optimizer(job))
         model.compile(
             optimizer=optimizer,
             loss=job.LOSS,
@@ -241,6 +241,25 @@ def train(resolver, job):
         flush=True,
     )
     return result
+
+
+def _inner_optimizer(job):
+    """Momentum SGD; one per variable group if the job defines groups."""
+    import tensorflow as tf
+
+    import tf2sync
+
+    def sgd(rate):
+        return tf.keras.optimizers.SGD(rate, momentum=_MOMENTUM.value)
+
+    if not hasattr(job, "optimizer_groups"):
+        return sgd(_LEARNING_RATE.value)
+    groups = job.optimizer_groups(_LEARNING_RATE.value)
+    for description, _, rate in groups:
+        print(f"tf2sync: group {description!r} learning_rate={rate:g}")
+    return tf2sync.MultiOptimizer(
+        groups={predicate: sgd(rate) for _, predicate, rate in groups}
+    )
 
 
 def main(argv):

@@ -1,12 +1,16 @@
-"""The default job: an MLP on scikit-learn's digits (offline, 1,797 images).
+"""The default job: a small conv net on scikit-learn's digits (offline).
 
-A job module gives the launcher four things; write your own with the same
-names and pass `--job_module=your.module`:
+1,797 8x8 images, 1,500 for training. A job module gives the launcher these
+names; write your own and pass `--job_module=your.module`:
 
 * `build_model() -> tf.keras.Model`, called under the strategy scope;
 * `train_dataset(input_context, batch_size) -> tf.data.Dataset`, repeated;
 * `eval_arrays() -> (x, y)`, held-out NumPy arrays;
-* `LOSS` and `METRICS`, passed to `model.compile`.
+* `num_train_examples() -> int`;
+* `LOSS` and `METRICS`, passed to `model.compile`;
+* optionally `optimizer_groups(learning_rate, momentum)`: a list of
+  `(description, predicate, learning_rate)` giving each variable group its
+  own rate (a `tf2sync.MultiOptimizer` of momentum SGDs).
 """
 
 from __future__ import annotations
@@ -32,10 +36,29 @@ def _arrays():
 def build_model() -> tf.keras.Model:
     return tf.keras.Sequential(
         [
-            tf.keras.layers.Dense(64, activation="relu", input_shape=(64,)),
-            tf.keras.layers.Dense(10, activation="softmax"),
+            tf.keras.layers.Reshape((8, 8, 1), input_shape=(64,)),
+            tf.keras.layers.Conv2D(16, 3, activation="relu", name="conv"),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(10, activation="softmax", name="dense"),
         ]
     )
+
+
+def optimizer_groups(learning_rate: float):
+    """The TF1 pattern: conv at lr, dense kernels at 10*lr, biases at 20*lr."""
+    return [
+        (
+            "conv kernels",
+            lambda v: "conv" in v.name and "kernel" in v.name,
+            learning_rate,
+        ),
+        (
+            "dense kernels",
+            lambda v: "dense" in v.name and "kernel" in v.name,
+            10 * learning_rate,
+        ),
+        ("biases", lambda v: "bias" in v.name, 20 * learning_rate),
+    ]
 
 
 def train_dataset(input_context, batch_size: int) -> tf.data.Dataset:
