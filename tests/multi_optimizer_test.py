@@ -1,5 +1,7 @@
 """MultiOptimizer: routing by identity, and groups inside one sync step."""
 
+import tempfile
+
 import numpy as np
 import tensorflow as tf
 import testutil
@@ -182,6 +184,131 @@ class SyncMultiOptimizerTest(absltest.TestCase):
         self.assertEqual(int(model.optimizer.iterations.numpy()), 3)
         self.assertEqual(testutil.max_abs_diff(b.get_weights(), before_b), 0.0)
         self.assertGreater(testutil.max_abs_diff(a.get_weights(), before_a), 0)
+
+
+class GroupStateTest(absltest.TestCase):
+    """Schedules, callbacks and checkpoints of per-group optimizers."""
+
+    def _fit(self, model, steps, callbacks=(), epochs=1):
+        rng = np.random.RandomState(0)
+        x = rng.randn(16, 4).astype("float32")
+        y = rng.randn(16, 3).astype("float32")
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(
+            ds,
+            epochs=epochs,
+            steps_per_epoch=steps,
+            verbose=0,
+            callbacks=list(callbacks),
+        )
+
+    def test_group_schedule_follows_the_global_step(self):
+        # Group a: rate 0.1 at steps 0 and 1 (step <= boundary 1), then 0.
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        schedule = tf.keras.optimizers.schedules.PiecewiseConstantDecay(
+            [1], [0.1, 0.0]
+        )
+        with strategy.scope():
+            model, a, b = _two_towers()
+            multi = tf2sync.MultiOptimizer(
+                [
+                    (tf.keras.optimizers.SGD(schedule), a),
+                    (tf.keras.optimizers.SGD(0.1), b),
+                ]
+            )
+            model.compile(optimizer=tf2sync.SyncOptimizer(multi), loss="mse")
+        self._fit(model, 4)  # 2 synchronous steps at rate 0.1
+        self.assertEqual(int(multi.iterations.numpy()), 2)
+        a_after, b_after = a.get_weights(), b.get_weights()
+        self._fit(model, 4)  # 2 more: a's rate is now 0
+        self.assertEqual(int(multi.iterations.numpy()), 4)
+        self.assertEqual(testutil.max_abs_diff(a.get_weights(), a_after), 0.0)
+        self.assertGreater(testutil.max_abs_diff(b.get_weights(), b_after), 0)
+
+    def test_callback_changes_a_group_rate_between_epochs(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model, a, b = _two_towers()
+            multi = tf2sync.MultiOptimizer(
+                [
+                    (tf.keras.optimizers.SGD(0.1), a),
+                    (tf.keras.optimizers.SGD(0.1), b),
+                ]
+            )
+            model.compile(optimizer=tf2sync.SyncOptimizer(multi), loss="mse")
+        snapshots = {}
+
+        class FreezeA(tf.keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                if epoch == 1:
+                    multi.optimizers[0].learning_rate = 0.0
+                    snapshots["a"] = a.get_weights()
+                    snapshots["b"] = b.get_weights()
+
+        self._fit(model, 4, callbacks=[FreezeA()], epochs=2)
+        self.assertEqual(
+            testutil.max_abs_diff(a.get_weights(), snapshots["a"]), 0.0
+        )
+        self.assertGreater(
+            testutil.max_abs_diff(b.get_weights(), snapshots["b"]), 0
+        )
+
+    def test_learning_rate_scheduler_callback(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model, _, _ = _two_towers()
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1)),
+                loss="mse",
+            )
+        seen = []
+
+        class Record(tf.keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                seen.append(model.get_weights())
+
+        scheduler = tf.keras.callbacks.LearningRateScheduler(
+            lambda epoch, lr: 0.1 if epoch == 0 else 0.0
+        )
+        self._fit(model, 4, callbacks=[scheduler, Record()], epochs=2)
+        self.assertGreater(testutil.max_abs_diff(seen[1], seen[0]), 0)
+        self.assertEqual(testutil.max_abs_diff(model.get_weights(), seen[1]), 0)
+        self.assertAlmostEqual(float(model.optimizer.lr.numpy()), 0.0)
+
+    def test_checkpoint_restores_every_group_slot_and_the_step(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model, a, b = _two_towers()
+            multi = tf2sync.MultiOptimizer(
+                [
+                    (tf.keras.optimizers.SGD(0.1, momentum=0.9), a),
+                    (tf.keras.optimizers.Adam(0.01), b),
+                ]
+            )
+            model.compile(optimizer=tf2sync.SyncOptimizer(multi), loss="mse")
+        self._fit(model, 4)
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+        path = checkpoint.save(tempfile.mkdtemp() + "/ckpt")
+        saved_weights = model.get_weights()
+        saved_slots = [v.numpy() for v in multi.variables()]
+        # Global step; SGD: step + 2 momenta; Adam: step + 2 m + 2 v.
+        self.assertLen(saved_slots, 1 + 3 + 5)
+        self._fit(model, 4)
+        self.assertEqual(int(multi.iterations.numpy()), 4)
+        checkpoint.restore(path).assert_existing_objects_matched()
+        self.assertEqual(int(multi.iterations.numpy()), 2)
+        self.assertEqual(
+            testutil.max_abs_diff(model.get_weights(), saved_weights), 0.0
+        )
+        self.assertEqual(
+            testutil.max_abs_diff(
+                [v.numpy() for v in multi.variables()], saved_slots
+            ),
+            0.0,
+        )
+        # Training resumes from the restored step: no stale leftovers.
+        self._fit(model, 2)
+        self.assertEqual(int(multi.iterations.numpy()), 3)
 
 
 if __name__ == "__main__":
