@@ -10,6 +10,9 @@ import os
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 from tf2sync import testing  # noqa: E402
+from tf2sync._src import loss_scale as _loss_scale  # noqa: E402
+
+_loss_scale.install()
 from tf2sync._src.multi_optimizer import MultiOptimizer  # noqa: E402
 from tf2sync._src.optimizer import SyncOptimizer  # noqa: E402
 from tf2sync._src.strategy import SyncParameterServerStrategy  # noqa: E402

@@ -174,6 +174,12 @@ class Aggregator:
         self.accepted = _ps_variable(
             tf.constant(0, tf.int64), self.device, name + "_accepted"
         )
+        self.nonfinite_dropped = _ps_variable(
+            tf.constant(0, tf.int64), self.device, name + "_nonfinite"
+        )
+        # Optional hooks run inside the critical section (loss scaling).
+        self.on_nonfinite = lambda: []
+        self.on_applied = lambda: []
         self.seed_tokens(config.tokens_per_step)
 
     # Coordinator side -----------------------------------------------------
@@ -217,8 +223,15 @@ class Aggregator:
         with tf.control_dependencies(after), tf.device(self.device):
             return self._tokens.enqueue(tf.constant(0, tf.int64))
 
-    def push(self, tag, grads_and_vars):
-        """Pushes one replica's gradients; returns True iff it applied."""
+    def push(self, tag, grads_and_vars, finite=None):
+        """Pushes one replica's gradients; returns True iff it applied.
+
+        Args:
+          tag: The step tag from `acquire`.
+          grads_and_vars: This replica's `(gradient, variable)` pairs.
+          finite: Optional scalar bool tensor; False drops the push as
+            non-finite (counted, its token given back for another replica).
+        """
         self.build(grads_and_vars)
         layout = self._layout
         by_key = {_key(v): g for g, v in grads_and_vars}
@@ -265,9 +278,22 @@ class Aggregator:
             ):
                 return tf.constant(False)
 
+        def nonfinite():
+            with _SyncApplyScope():
+                ops = [
+                    self.nonfinite_dropped.assign_add(1, read_value=False),
+                    self._tokens.enqueue(tf.constant(0, tf.int64)),
+                ] + list(self.on_nonfinite())
+            with tf.control_dependencies(ops):
+                return tf.constant(False)
+
         def body():
             fresh = tag >= self.global_step.read_value()
-            return tf.cond(fresh, accept, reject)
+            if finite is None:
+                return tf.cond(fresh, accept, reject)
+            return tf.cond(
+                fresh, lambda: tf.cond(finite, accept, nonfinite), reject
+            )
 
         with tf.device(self.device):
             return self._cs.execute(body)
@@ -342,6 +368,11 @@ class Aggregator:
             )
         with _SyncApplyScope():
             applied = self._apply_fn(grads_and_vars)
+            with tf.control_dependencies([applied]):
+                hooks = list(self.on_applied())
+            if hooks:
+                with tf.control_dependencies(hooks):
+                    applied = tf.identity(self.global_step.read_value())
         with tf.control_dependencies([applied]):
             resets = [
                 g.buffer.assign(tf.zeros_like(g.buffer), read_value=False)

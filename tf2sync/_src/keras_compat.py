@@ -17,13 +17,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 import tf_keras
-from tf_keras.src.mixed_precision import loss_scale_optimizer
-
-from tf2sync._src import errors
 
 _NEW = tf_keras.optimizers.Optimizer
 _LEGACY = tf_keras.optimizers.legacy.Optimizer
-_LSO = loss_scale_optimizer.BaseLossScaleOptimizer
 
 
 def check_optimizer(optimizer, argument="optimizer"):
@@ -43,6 +39,22 @@ def check_optimizer(optimizer, argument="optimizer"):
         f"or tf_keras.optimizers.legacy.*). Received: {argument}="
         f"{optimizer!r}.{hint}"
     )
+
+
+def check_created_in_scope(optimizer, strategy, argument="optimizer"):
+    """Raises unless `optimizer`'s step (and its groups') live on the ps."""
+    optimizers = [optimizer] + list(getattr(optimizer, "optimizers", []))
+    for opt in optimizers:
+        step = getattr(opt, "_iterations", None)
+        if step is not None and not strategy.extended.variable_created_in_scope(
+            step
+        ):
+            raise ValueError(
+                f"`{argument}` ({opt.__class__.__name__}) was created outside "
+                "`strategy.scope()`: its variables would live on the chief, "
+                "not on the parameter servers. Create it under `with "
+                f"strategy.scope():`. Received: {argument}={optimizer!r}"
+            )
 
 
 def is_legacy(optimizer) -> bool:
@@ -156,19 +168,3 @@ def _constraints(var_list):
         if constraint is not None:
             ops.append(var.assign(constraint(var)))
     return ops
-
-
-def check_not_loss_scaled(optimizer):
-    """Raises if `optimizer` is a loss-scale wrapper.
-
-    Loss scaling must be undone on each worker before aggregation, so the
-    `LossScaleOptimizer` goes *around* `SyncOptimizer`, never inside it.
-    """
-    if isinstance(optimizer, _LSO):
-        raise errors.config_error(
-            "optimizer",
-            optimizer,
-            "a LossScaleOptimizer cannot go inside SyncOptimizer: wrap the "
-            "other way round, LossScaleOptimizer(SyncOptimizer(opt)), or let "
-            "model.compile do it under a mixed_float16 policy",
-        )

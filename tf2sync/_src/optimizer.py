@@ -10,6 +10,7 @@ from tf2sync._src import keras_compat
 from tf2sync._src import strategy as strategy_lib
 
 
+@tf_keras.utils.register_keras_serializable(package="tf2sync")
 class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
     """Wraps a tf_keras optimizer so that its updates are synchronous.
 
@@ -28,6 +29,21 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
     weight decay and EMA. Its slots and step are saved in checkpoints under
     `inner_optimizer`.
 
+    A push whose gradients are not all finite (NaN/Inf) is, by default
+    (`nonfinite="skip"`), dropped and counted (`nonfinite_dropped`), and its
+    token goes back so that another replica step can fill its place: one bad
+    worker never makes the weights NaN. `nonfinite="raise"` fails the step
+    instead, before anything is applied.
+
+    Mixed precision: under a `mixed_float16` policy, or given a
+    `tf.keras.mixed_precision.LossScaleOptimizer` (its settings are kept),
+    the constructor returns a `LossScaleOptimizer` around the `SyncOptimizer`.
+    Each worker scales its loss and unscales its gradients once, before
+    aggregation; the dynamic scale lives on the ps and changes once per
+    synchronous step (halved on a non-finite push, doubled after
+    `dynamic_growth_steps` applied steps). `model.compile` does not wrap it
+    again.
+
     Example::
 
         with strategy.scope():
@@ -37,21 +53,50 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
                 loss="sparse_categorical_crossentropy")
     """
 
-    def __init__(self, optimizer, name: str | None = None):
+    def __new__(cls, optimizer, *args, **kwargs):
+        from tf2sync._src import loss_scale
+
+        if not loss_scale.wants_loss_scaling(optimizer):
+            return super().__new__(cls)
+        options = loss_scale.options_of(optimizer)
+        inner = loss_scale.unwrap(optimizer)
+        sync = super().__new__(cls)
+        sync.__init__(inner, *args, **kwargs)
+        return loss_scale.SyncLossScaleOptimizer(sync, **options)
+
+    def __init__(
+        self,
+        optimizer,
+        *,
+        nonfinite: str = "skip",
+        name: str | None = None,
+    ):
         """Wraps `optimizer` and creates the synchronous state eagerly.
 
         Args:
           optimizer: A tf_keras optimizer, `tf.keras.optimizers.*` or
-            `tf.keras.optimizers.legacy.*`, not yet used.
+            `tf.keras.optimizers.legacy.*` (or `tf2sync.MultiOptimizer`),
+            not yet used.
+          nonfinite: "skip" (drop and count a push with NaN/Inf gradients)
+            or "raise" (fail the step).
           name: Name of the wrapper; defaults to "Sync" + the inner name.
 
         Raises:
           TypeError: If `optimizer` is not a tf_keras optimizer.
           ValueError: If not created under a `SyncParameterServerStrategy`
-            scope, or if that strategy already has a `SyncOptimizer`.
+            scope, if that strategy already has a `SyncOptimizer`, or if
+            `nonfinite` is not "skip" or "raise".
         """
+        if getattr(self, "_tf2sync_initialized", False):
+            return  # Built by __new__ for loss scaling.
+        self._tf2sync_initialized = True
         keras_compat.check_optimizer(optimizer)
-        keras_compat.check_not_loss_scaled(optimizer)
+        if nonfinite not in ("skip", "raise"):
+            raise ValueError(
+                '`nonfinite` must be "skip" or "raise". Received: '
+                f"nonfinite={nonfinite!r}"
+            )
+        self._nonfinite = nonfinite
         strategy = tf.distribute.get_strategy()
         if not isinstance(strategy, strategy_lib.SyncParameterServerStrategy):
             raise ValueError(
@@ -61,6 +106,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
                 "ParameterServerStrategy has no step barrier, so it cannot "
                 "run a synchronous optimizer."
             )
+        keras_compat.check_created_in_scope(optimizer, strategy)
         super().__init__(name=name or "Sync" + _inner_name(optimizer))
         self._optimizer = optimizer
         self._track_trackable(optimizer, "inner_optimizer")
@@ -119,6 +165,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
     def get_config(self):
         return {
             "name": self._name,
+            "nonfinite": self._nonfinite,
             "optimizer": tf_keras.optimizers.serialize(self._optimizer),
         }
 
@@ -136,6 +183,11 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
     def stale_dropped(self) -> tf.Variable:
         """Pushed gradients dropped as stale (total, on the ps)."""
         return self._aggregator.stale_dropped
+
+    @property
+    def nonfinite_dropped(self) -> tf.Variable:
+        """Pushes dropped for NaN/Inf gradients (total, on the ps)."""
+        return self._aggregator.nonfinite_dropped
 
     @property
     def gradients_accepted(self) -> tf.Variable:
@@ -177,6 +229,16 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         """
         del name, experimental_aggregate_gradients
         grads_and_vars = list(grads_and_vars)
+        if getattr(
+            self, "_is_wrapped_by_loss_scale_optimizer", False
+        ) and not getattr(self, "_tf2sync_loss_scaled", False):
+            raise TypeError(
+                "SyncOptimizer is wrapped in a tf_keras LossScaleOptimizer, "
+                "whose skipped steps would move the global step without a "
+                "push. Put the LossScaleOptimizer inside instead: "
+                "tf2sync.SyncOptimizer(LossScaleOptimizer(opt)), or just "
+                "tf2sync.SyncOptimizer(opt) under a mixed_float16 policy."
+            )
         step = strategy_lib.current_step()
         if step is None:
             raise RuntimeError(
@@ -218,7 +280,25 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         self.build([v for _, v in grads_and_vars])
         with tf.init_scope():
             self._aggregator.build(grads_and_vars)
-        return self._aggregator.push(tag, grads_and_vars)
+        values = [
+            g.values if isinstance(g, tf.IndexedSlices) else g
+            for g, _ in grads_and_vars
+            if g is not None
+        ]
+        if self._nonfinite == "raise":
+            checks = [
+                tf.debugging.assert_all_finite(
+                    v, "tf2sync: non-finite gradient (nonfinite='raise')"
+                )
+                for v in values
+            ]
+            with tf.control_dependencies(checks):
+                tag = tf.identity(tag)
+            return self._aggregator.push(tag, grads_and_vars)
+        finite = tf.reduce_all(
+            [tf.reduce_all(tf.math.is_finite(v)) for v in values]
+        )
+        return self._aggregator.push(tag, grads_and_vars, finite=finite)
 
     def _apply_aggregated(self, grads_and_vars):
         return keras_compat.apply(self._optimizer, grads_and_vars)

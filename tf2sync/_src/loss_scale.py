@@ -1,0 +1,151 @@
+"""Loss scaling for synchronous training under PSS (mixed precision).
+
+tf_keras refuses its `LossScaleOptimizer` under ParameterServerStrategy:
+it would unscale once per compute replica where variables are not
+replicated. tf2sync unscales on each worker, once, before aggregation, and
+moves the dynamic scale once per synchronous step inside the ps critical
+section, which is right for PSS. `SyncLossScaleOptimizer` subclasses the
+legacy `LossScaleOptimizer` so that `model.compile` under `mixed_float16`
+recognises it and does not wrap it a second time.
+
+tf_keras asks one function, `strategy_supports_loss_scaling()`, both before
+building a `mixed_float16` layer and before creating a loss-scale optimizer.
+`install()` (run when tf2sync is imported) extends it to answer True under
+`SyncParameterServerStrategy`, and only there; every other strategy gets
+tf_keras's own answer.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import tf_keras
+from tf_keras.src.mixed_precision import loss_scale_optimizer as lso
+
+_ANY_LSO = lso.BaseLossScaleOptimizer
+_TF_KERAS_SUPPORTS = lso.strategy_supports_loss_scaling
+
+
+def _supports_loss_scaling():
+    if _TF_KERAS_SUPPORTS():
+        return True
+    from tf2sync._src import strategy as strategy_lib
+
+    return tf.distribute.has_strategy() and isinstance(
+        tf.distribute.get_strategy(), strategy_lib.SyncParameterServerStrategy
+    )
+
+
+def install():
+    """Lets tf_keras build mixed_float16 layers under the sync strategy."""
+    lso.strategy_supports_loss_scaling = _supports_loss_scaling
+
+
+def wants_loss_scaling(optimizer) -> bool:
+    """True for a loss-scale optimizer, or under a float16 global policy."""
+    if isinstance(optimizer, _ANY_LSO):
+        return True
+    policy = tf_keras.mixed_precision.global_policy()
+    return policy.compute_dtype == "float16"
+
+
+def options_of(optimizer) -> dict:
+    """The loss-scale settings of `optimizer` (defaults: dynamic)."""
+    if not isinstance(optimizer, _ANY_LSO):
+        return {}
+    options = {"dynamic": bool(optimizer.dynamic)}
+    options["initial_scale"] = float(optimizer.initial_scale)
+    if optimizer.dynamic:
+        options["dynamic_growth_steps"] = int(optimizer.dynamic_growth_steps)
+    return options
+
+
+def unwrap(optimizer):
+    """The optimizer inside a loss-scale optimizer, or `optimizer`."""
+    if isinstance(optimizer, _ANY_LSO):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
+@tf_keras.utils.register_keras_serializable(package="tf2sync")
+class SyncLossScaleOptimizer(lso.LossScaleOptimizer):
+    """A `LossScaleOptimizer` around a `SyncOptimizer`.
+
+    Protocol per replica step: the loss is multiplied by the current scale
+    (read from the ps), the gradients are divided by it on the worker, and
+    the unscaled gradients are pushed. On the ps, inside the critical
+    section: a push with non-finite gradients is dropped (its token goes
+    back) and halves a dynamic scale (never below 1); each applied update
+    counts a good step, and `dynamic_growth_steps` of them double the scale.
+    The scale therefore moves once per synchronous step, not once per
+    worker. Created by `tf2sync.SyncOptimizer(...)` when loss scaling is
+    wanted; not constructed directly.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        dynamic=True,
+        initial_scale=None,
+        dynamic_growth_steps=None,
+    ):
+        super().__init__(
+            inner_optimizer,
+            dynamic=dynamic,
+            initial_scale=initial_scale,
+            dynamic_growth_steps=dynamic_growth_steps,
+        )
+        inner_optimizer._tf2sync_loss_scaled = True
+        if dynamic:
+            state = self._loss_scale
+            aggregator = inner_optimizer._aggregator
+            aggregator.on_nonfinite = lambda: _halve(state)
+            aggregator.on_applied = lambda: _count_good_step(state)
+
+    @property
+    def sync_optimizer(self):
+        """The wrapped `SyncOptimizer`."""
+        return self._optimizer
+
+    @property
+    def stale_dropped(self):
+        return self._optimizer.stale_dropped
+
+    @property
+    def nonfinite_dropped(self):
+        return self._optimizer.nonfinite_dropped
+
+    @property
+    def gradients_accepted(self):
+        return self._optimizer.gradients_accepted
+
+    def build(self, var_list):
+        self._optimizer.build(var_list)
+
+    def apply_gradients(
+        self, grads_and_vars, name=None, experimental_aggregate_gradients=True
+    ):
+        """Pushes the (already unscaled) gradients; see the class doc."""
+        del name, experimental_aggregate_gradients
+        return self._optimizer.apply_gradients(grads_and_vars)
+
+
+def _halve(state):
+    scale = state.current_loss_scale
+    return [
+        state.counter.assign(0),
+        scale.assign(tf.maximum(scale / state.multiplier, 1.0)),
+    ]
+
+
+def _count_good_step(state):
+    scale = state.current_loss_scale
+
+    def grow():
+        return tf.group(
+            scale.assign(scale * state.multiplier), state.counter.assign(0)
+        )
+
+    def count():
+        return tf.group(state.counter.assign_add(1))
+
+    return [tf.cond(state.counter + 1 >= state.growth_steps, grow, count)]
