@@ -191,11 +191,89 @@ class LaunchTest(parameterized.TestCase):
         self.assertNotEqual(out.returncode, 0)
         self.assertIn(message, out.stderr)
 
+    def test_mixed_float16_through_the_launcher(self):
+        out = _launch(
+            [
+                "--epochs=2",
+                "--steps_per_epoch=20",
+                "--mixed_precision=mixed_float16",
+                "--num_gpus=0",
+            ]
+        )
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        self.assertIn("mixed_float16", out.stdout)
+        self._check_result(out, 2, 20)
+
+    def test_worker_asking_for_more_gpus_than_it_has(self):
+        port = tf2sync.testing.pick_free_ports(1)[0]
+        out = _launch(
+            [
+                "--job_name=worker",
+                "--num_gpus=1",
+                "--ps_hosts=127.0.0.1:1",
+                f"--worker_hosts=127.0.0.1:{port}",
+            ],
+            timeout=60,
+        )
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("--num_gpus=1 but this worker sees 0 GPU(s).", out.stderr)
+
+    def test_ctrl_c_ends_every_local_task(self):
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tf2sync", "--epochs=1000"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=_ENV,
+        )
+        try:
+            pids = None
+            for line in process.stdout:
+                match = re.search(r"pids=(\[.*\])", line)
+                if match:
+                    pids = json.loads(match.group(1))
+                if "Epoch" in line or line.startswith("tf2sync: 2 workers"):
+                    break
+            self.assertIsNotNone(pids)
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        self.assertNotEqual(process.returncode, 0)
+        for pid in pids:
+            self.assertFalse(_alive(pid), f"task {pid} left behind")
+
     def test_malformed_tf_config(self):
         env = dict(_ENV, TF_CONFIG="{not json")
         out = _launch([], env=env, timeout=60)
         self.assertNotEqual(out.returncode, 0)
         self.assertIn("TF_CONFIG is not valid JSON", out.stderr)
+
+
+class PublicAddressWarningTest(absltest.TestCase):
+    """The check only reads the host list: nothing is contacted."""
+
+    def test_public_address_warns(self):
+        from tf2sync._src import launch
+
+        with self.assertLogs(level="WARNING") as logs:
+            launch._warn_public(["127.0.0.1:2222", "8.8.8.8:2222"])
+        self.assertLen(logs.records, 1)
+        self.assertIn("8.8.8.8:2222 is a public address", logs.output[0])
+
+    def test_private_and_names_do_not_warn(self):
+        from absl import logging
+
+        from tf2sync._src import launch
+
+        with self.assertLogs(level="INFO") as logs:
+            logging.info("start")
+            launch._warn_public(
+                ["10.0.0.1:1", "192.168.1.2:1", "ps-0.svc:2222", "[::1]:1"]
+            )
+        self.assertLen(logs.records, 1)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,19 @@ _LEARNING_RATE = flags.DEFINE_float(
     "Base SGD rate (the default job scales it per variable group).",
 )
 _MOMENTUM = flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
+_NUM_GPUS = flags.DEFINE_integer(
+    "num_gpus",
+    None,
+    "GPUs each worker uses (default: all it sees; 0: CPU only). The ps "
+    "always runs on CPU. In local mode each worker gets its own GPUs.",
+)
+_MIXED_PRECISION = flags.DEFINE_enum(
+    "mixed_precision",
+    "float32",
+    ["float32", "mixed_float16", "mixed_bfloat16"],
+    "Keras dtype policy of the model; mixed_float16 turns on tf2sync's "
+    "dynamic loss scaling.",
+)
 _CONNECT_TIMEOUT = flags.DEFINE_float(
     "connect_timeout", 60.0, "Seconds to wait for each task to answer."
 )
@@ -103,6 +116,11 @@ flags.register_validator(
 )
 flags.register_validator(
     "worker_hosts", lambda v: _validate_host_list("worker_hosts", v)
+)
+flags.register_validator(
+    "num_gpus",
+    lambda v: v is None or v >= 0,
+    message="--num_gpus must be >= 0.",
 )
 flags.register_validator(
     "task_index",
@@ -169,6 +187,7 @@ def _serve(spec, job, index):
 
     from tf2sync._src import cluster as cluster_lib
 
+    _place_devices(job)
     num_workers = len(spec.get("worker", []))
     server = tf.distribute.Server(
         tf.train.ClusterSpec(spec),
@@ -185,12 +204,33 @@ def _serve(spec, job, index):
     server.join()
 
 
+def _place_devices(job):
+    """ps: CPU only. worker: its first --num_gpus GPUs (all by default)."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if job != "worker":
+        tf.config.set_visible_devices([], "GPU")
+        return
+    wanted = _NUM_GPUS.value
+    if wanted is None:
+        wanted = len(gpus)
+    if wanted > len(gpus):
+        raise app.UsageError(
+            f"--num_gpus={wanted} but this worker sees {len(gpus)} GPU(s)."
+        )
+    tf.config.set_visible_devices(gpus[:wanted], "GPU")
+    logging.info("worker uses %d GPU(s)", wanted)
+
+
 def train(resolver, job):
     """Runs the training job as chief; returns a dict of results."""
     import tensorflow as tf
 
     import tf2sync
 
+    tf.config.set_visible_devices([], "GPU")  # the chief only coordinates
+    tf.keras.mixed_precision.set_global_policy(_MIXED_PRECISION.value)
     num_workers = len(resolver.cluster_spec().as_dict()["worker"])
     rta = _REPLICAS_TO_AGGREGATE.value or num_workers
     total = _TOTAL_NUM_REPLICAS.value or max(num_workers, rta)
@@ -213,7 +253,7 @@ def train(resolver, job):
         f"tf2sync: {num_workers} workers, "
         f"{len(resolver.cluster_spec().as_dict()['ps'])} ps, "
         f"replicas_to_aggregate={rta}, total_num_replicas={total}, "
-        f"{steps} steps/epoch",
+        f"{steps} steps/epoch, {_MIXED_PRECISION.value}",
         flush=True,
     )
     batch = _BATCH_SIZE.value

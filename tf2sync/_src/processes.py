@@ -40,10 +40,13 @@ class LocalProcessCluster:
     and on Ctrl-C in the launcher) sends SIGTERM, then SIGKILL, to each PID.
     """
 
-    def __init__(self, num_workers: int, num_ps: int, *, log_dir=None):
+    def __init__(
+        self, num_workers: int, num_ps: int, *, log_dir=None, num_gpus=None
+    ):
         self.spec = cluster_lib.cluster_spec_dict(num_workers, num_ps)
         self.processes = []
         self._log_dir = log_dir
+        self._num_gpus = num_gpus
 
     def start(self, timeout: float = 60.0):
         """Starts every task; returns the chief's cluster resolver."""
@@ -56,6 +59,17 @@ class LocalProcessCluster:
         env.pop("TF_CONFIG", None)
         for job in ("ps", "worker"):
             for index in range(len(self.spec[job])):
+                task_env = dict(env)
+                task_args = []
+                if job == "ps":
+                    task_env["CUDA_VISIBLE_DEVICES"] = ""
+                elif self._num_gpus is not None:
+                    # Disjoint GPUs per worker on this one machine.
+                    first = index * self._num_gpus
+                    task_env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                        str(first + i) for i in range(self._num_gpus)
+                    )
+                    task_args.append(f"--num_gpus={self._num_gpus}")
                 out = subprocess.DEVNULL
                 if self._log_dir:
                     os.makedirs(self._log_dir, exist_ok=True)
@@ -71,10 +85,11 @@ class LocalProcessCluster:
                             f"--job_name={job}",
                             f"--task_index={index}",
                             *common,
+                            *task_args,
                         ],
                         stdout=out,
                         stderr=subprocess.STDOUT,
-                        env=env,
+                        env=task_env,
                         start_new_session=True,
                     )
                 )
