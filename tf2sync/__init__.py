@@ -13,6 +13,7 @@ from tf2sync import testing  # noqa: E402
 from tf2sync._src import loss_scale as _loss_scale  # noqa: E402
 
 _loss_scale.install()
+from tf2sync._src.callbacks import SyncMetrics  # noqa: E402
 from tf2sync._src.multi_optimizer import MultiOptimizer  # noqa: E402
 from tf2sync._src.optimizer import SyncOptimizer  # noqa: E402
 from tf2sync._src.strategy import SyncParameterServerStrategy  # noqa: E402
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MultiOptimizer",
+    "SyncMetrics",
     "SyncOptimizer",
     "SyncParameterServerStrategy",
     "testing",

@@ -177,6 +177,9 @@ class Aggregator:
         self.nonfinite_dropped = _ps_variable(
             tf.constant(0, tf.int64), self.device, name + "_nonfinite"
         )
+        self.wait_seconds = _ps_variable(
+            tf.constant(0.0, tf.float64), self.device, name + "_wait"
+        )
         # Optional hooks run inside the critical section (loss scaling).
         self.on_nonfinite = lambda: []
         self.on_applied = lambda: []
@@ -212,18 +215,32 @@ class Aggregator:
     # Step side (traced) ---------------------------------------------------
 
     def acquire(self):
-        """Dequeues one token and returns the step tag read after it."""
-        with tf.device(self.device):
+        """Dequeues one token; returns (tag read after it, seconds waited)."""
+        start = tf.timestamp()
+        with tf.control_dependencies([start]), tf.device(self.device):
             token = self._tokens.dequeue()
             with tf.control_dependencies([token]):
-                return tf.identity(self.global_step.read_value())
+                tag = tf.identity(self.global_step.read_value())
+        with tf.control_dependencies([tag]):
+            waited = tf.timestamp() - start
+        return tag, waited
+
+    def metrics(self):
+        """Totals on the ps, as tensors: the sync metrics of the logs."""
+        with tf.device(self.device):
+            return {
+                "sync_steps": self.global_step.read_value(),
+                "stale_dropped": self.stale_dropped.read_value(),
+                "nonfinite_dropped": self.nonfinite_dropped.read_value(),
+                "barrier_wait_s": self.wait_seconds.read_value(),
+            }
 
     def give_back(self, after):
         """Returns one token after `after` (a step that pushed nothing)."""
         with tf.control_dependencies(after), tf.device(self.device):
             return self._tokens.enqueue(tf.constant(0, tf.int64))
 
-    def push(self, tag, grads_and_vars, finite=None):
+    def push(self, tag, grads_and_vars, finite=None, waited=None):
         """Pushes one replica's gradients; returns True iff it applied.
 
         Args:
@@ -231,6 +248,7 @@ class Aggregator:
           grads_and_vars: This replica's `(gradient, variable)` pairs.
           finite: Optional scalar bool tensor; False drops the push as
             non-finite (counted, its token given back for another replica).
+          waited: Optional float64 seconds this step waited for its token.
         """
         self.build(grads_and_vars)
         layout = self._layout
@@ -287,13 +305,20 @@ class Aggregator:
             with tf.control_dependencies(ops):
                 return tf.constant(False)
 
-        def body():
+        def decide():
             fresh = tag >= self.global_step.read_value()
             if finite is None:
                 return tf.cond(fresh, accept, reject)
             return tf.cond(
                 fresh, lambda: tf.cond(finite, accept, nonfinite), reject
             )
+
+        def body():
+            if waited is None:
+                return decide()
+            add = self.wait_seconds.assign_add(waited, read_value=False)
+            with tf.control_dependencies([add]):
+                return decide()
 
         with tf.device(self.device):
             return self._cs.execute(body)

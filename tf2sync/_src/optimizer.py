@@ -157,7 +157,9 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         return self.variables()
 
     def get_slot_names(self):
-        return self._optimizer.get_slot_names()
+        """Slot names of a legacy inner optimizer ([] for the new family)."""
+        names = getattr(self._optimizer, "get_slot_names", None)
+        return names() if names else []
 
     def get_slot(self, var, slot_name):
         return self._optimizer.get_slot(var, slot_name)
@@ -271,9 +273,11 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             )
         step.pushed = True
         context = tf.distribute.get_replica_context()
-        return context.merge_call(self._push, args=(step.tag, grads_and_vars))
+        return context.merge_call(
+            self._push, args=(step.tag, grads_and_vars, step.waited)
+        )
 
-    def _push(self, strategy, tag, grads_and_vars):
+    def _push(self, strategy, tag, grads_and_vars, waited=None):
         grads_and_vars = [
             (_sum_local(strategy, g), v) for g, v in grads_and_vars
         ]
@@ -294,11 +298,13 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             ]
             with tf.control_dependencies(checks):
                 tag = tf.identity(tag)
-            return self._aggregator.push(tag, grads_and_vars)
+            return self._aggregator.push(tag, grads_and_vars, waited=waited)
         finite = tf.reduce_all(
             [tf.reduce_all(tf.math.is_finite(v)) for v in values]
         )
-        return self._aggregator.push(tag, grads_and_vars, finite=finite)
+        return self._aggregator.push(
+            tag, grads_and_vars, finite=finite, waited=waited
+        )
 
     def _apply_aggregated(self, grads_and_vars):
         return keras_compat.apply(self._optimizer, grads_and_vars)

@@ -17,8 +17,9 @@ _STEP = threading.local()
 class StepContext:
     """What one traced replica step knows: its tag, and whether it pushed."""
 
-    def __init__(self, tag):
+    def __init__(self, tag, waited=None):
         self.tag = tag
+        self.waited = waited
         self.pushed = False
 
 
@@ -37,6 +38,11 @@ class _StepScope:
 
     def __exit__(self, *exc):
         _STEP.context = self._previous
+
+
+def _is_keras_train_step(fn) -> bool:
+    """True for tf_keras's `run_step` inside `Model.make_train_function`."""
+    return "make_train_function" in getattr(fn, "__qualname__", "")
 
 
 _UNWRAPPED_MESSAGE = (
@@ -174,14 +180,28 @@ class SyncParameterServerStrategy(
         aggregator = self._aggregator
         if aggregator is None or not tf.inside_function():
             return super().run(fn, args=args, kwargs=kwargs, options=options)
-        tag = aggregator.acquire()
-        step = StepContext(tag)
+        tag, waited = aggregator.acquire()
+        step = StepContext(tag, waited)
 
         def step_fn(*a, **k):
             with tf.control_dependencies([tag]), _StepScope(step):
                 return fn(*a, **k)
 
         result = super().run(step_fn, args=args, kwargs=kwargs, options=options)
+        if (
+            step.pushed
+            and _is_keras_train_step(fn)
+            and isinstance(result, dict)
+        ):
+            # model.fit: the sync totals join the logs (History, progress
+            # line, TensorBoard), read after this step's push.
+            outputs = [
+                t
+                for t in tf.nest.flatten(result, expand_composites=True)
+                if isinstance(t, tf.Tensor)
+            ]
+            with tf.control_dependencies(outputs):
+                result = dict(result, **aggregator.metrics())
         if not step.pushed:
             outputs = [
                 t

@@ -1,0 +1,233 @@
+"""Stock tf_keras callbacks and sync metrics under model.fit."""
+
+import csv
+import glob
+import tempfile
+import time
+
+import tensorflow as tf
+import testutil
+from absl.testing import absltest
+
+import tf2sync
+
+_X, _Y = testutil.data("dense", 32)
+
+
+def _dataset():
+    return tf.data.Dataset.from_tensors((_X, _Y)).repeat()
+
+
+def _compiled(num_workers=2, rta=2, total=None, model_fn=None):
+    strategy = testutil.strategy(
+        num_workers, replicas_to_aggregate=rta, total_num_replicas=total
+    )
+    with strategy.scope():
+        model = (model_fn or testutil.dense_model)()
+        model.compile(
+            optimizer=tf2sync.SyncOptimizer(
+                tf.keras.optimizers.SGD(0.05, momentum=0.9)
+            ),
+            loss=testutil.LOSS,
+            metrics=["accuracy"],
+        )
+    return model
+
+
+class _Interrupt(tf.keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("interrupted on purpose")
+
+
+class CallbacksTest(absltest.TestCase):
+    def setUp(self):
+        super().setUp()
+        self.dir = tempfile.mkdtemp()
+
+    def test_model_checkpoint_weights_and_full_model(self):
+        model = _compiled()
+        model.fit(
+            _dataset(),
+            epochs=2,
+            steps_per_epoch=4,
+            verbose=0,
+            callbacks=[
+                tf.keras.callbacks.ModelCheckpoint(
+                    self.dir + "/w_{epoch}.h5", save_weights_only=True
+                ),
+                tf.keras.callbacks.ModelCheckpoint(
+                    self.dir + "/m_{epoch}.keras"
+                ),
+            ],
+        )
+        local = testutil.dense_model(seed=1)
+        local.load_weights(self.dir + "/w_2.h5")
+        self.assertEqual(
+            testutil.max_abs_diff(local.get_weights(), model.get_weights()), 0
+        )
+        loaded = tf.keras.models.load_model(
+            self.dir + "/m_2.keras", compile=False
+        )
+        self.assertEqual(
+            testutil.max_abs_diff(loaded.get_weights(), model.get_weights()), 0
+        )
+
+    def test_backup_and_restore_resumes_exactly(self):
+        # Uninterrupted: 3 epochs of 4 pushes = 6 synchronous steps.
+        reference = _compiled()
+        reference.fit(_dataset(), epochs=3, steps_per_epoch=4, verbose=0)
+        backup = tf.keras.callbacks.BackupAndRestore(self.dir + "/backup")
+        first = _compiled()
+        with self.assertRaisesRegex(RuntimeError, "interrupted on purpose"):
+            first.fit(
+                _dataset(),
+                epochs=3,
+                steps_per_epoch=4,
+                verbose=0,
+                callbacks=[backup, _Interrupt(epoch=1)],
+            )
+        # A fresh strategy, model and optimizer, as after a chief restart.
+        second = _compiled()
+        history = second.fit(
+            _dataset(),
+            epochs=3,
+            steps_per_epoch=4,
+            verbose=0,
+            callbacks=[
+                tf.keras.callbacks.BackupAndRestore(self.dir + "/backup")
+            ],
+        )
+        self.assertLen(history.history["loss"], 1)  # only epoch 3 ran
+        self.assertEqual(int(second.optimizer.iterations.numpy()), 6)
+        self.assertLess(
+            testutil.max_abs_diff(
+                second.get_weights(), reference.get_weights()
+            ),
+            1e-6,
+        )
+
+    def test_tensorboard_and_csv_get_the_sync_metrics(self):
+        model = _compiled()
+        model.fit(
+            _dataset(),
+            epochs=2,
+            steps_per_epoch=4,
+            verbose=0,
+            callbacks=[
+                tf2sync.SyncMetrics(batch_size=32),
+                tf.keras.callbacks.TensorBoard(self.dir + "/tb"),
+                tf.keras.callbacks.CSVLogger(self.dir + "/log.csv"),
+            ],
+        )
+        tags = set()
+        for path in glob.glob(self.dir + "/tb/train/events*"):
+            for record in tf.data.TFRecordDataset(path):
+                event = tf.compat.v1.Event.FromString(record.numpy())
+                tags.update(v.tag for v in event.summary.value)
+        self.assertContainsSubset(
+            {"epoch_sync_steps", "epoch_stale_dropped", "epoch_barrier_wait_s"},
+            tags,
+        )
+        with open(self.dir + "/log.csv") as f:
+            rows = list(csv.DictReader(f))
+        # SyncMetrics made the totals exact after each epoch's join.
+        self.assertEqual([float(r["sync_steps"]) for r in rows], [2.0, 4.0])
+        self.assertEqual(
+            [float(r["stale_dropped_epoch"]) for r in rows], [0, 0]
+        )
+        for row in rows:
+            self.assertGreater(float(row["examples_per_s"]), 0)
+            self.assertGreater(float(row["sync_steps_per_s"]), 0)
+
+    def test_early_stopping_and_reduce_lr_on_plateau(self):
+        model = _compiled()
+        history = model.fit(
+            _dataset(),
+            epochs=10,
+            steps_per_epoch=2,
+            verbose=0,
+            callbacks=[
+                # min_delta is huge: no epoch counts as an improvement.
+                tf.keras.callbacks.ReduceLROnPlateau(
+                    monitor="loss", patience=0, factor=0.5, min_delta=100
+                ),
+                tf.keras.callbacks.EarlyStopping(
+                    monitor="loss", patience=2, min_delta=100
+                ),
+            ],
+        )
+        self.assertLen(history.history["loss"], 3)
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 3)
+        # ReduceLROnPlateau logs the rate of the epoch, then halves it.
+        self.assertEqual(
+            [round(float(v), 4) for v in history.history["lr"]],
+            [0.05, 0.05, 0.025],
+        )
+        self.assertAlmostEqual(
+            float(model.optimizer.inner_optimizer.learning_rate.numpy()),
+            0.0125,
+        )
+
+
+class _SlowReplica(tf.keras.Sequential):
+    """Sleeps after reading its step tag when its batch says so."""
+
+    def train_step(self, data):
+        x, y, seconds = data
+        slept = tf.py_function(
+            lambda s: time.sleep(float(s)) or 0.0, [seconds[0]], tf.float32
+        )
+        slept.set_shape([])
+        x = x + tf.cast(slept, x.dtype) * 0
+        return super().train_step((x, y))
+
+
+class SyncMetricsTest(absltest.TestCase):
+    def test_slow_backup_worker_is_counted_stale_in_history(self):
+        def model_fn():
+            tf.keras.utils.set_random_seed(0)
+            return _SlowReplica(
+                [
+                    tf.keras.layers.Dense(8, input_shape=(4,)),
+                    tf.keras.layers.Dense(3),
+                ]
+            )
+
+        model = _compiled(num_workers=3, rta=2, total=3, model_fn=model_fn)
+
+        def dataset_fn(context):
+            # Worker pipeline 0 sleeps 0.5 s per step: a straggler.
+            delay = 0.5 if context.input_pipeline_id == 0 else 0.0
+            return tf.data.Dataset.from_tensors(
+                (_X, _Y, tf.fill([len(_X)], delay))
+            ).repeat()
+
+        history = model.fit(
+            tf.keras.utils.experimental.DatasetCreator(dataset_fn),
+            epochs=2,
+            steps_per_epoch=12,
+            verbose=0,
+            callbacks=[tf2sync.SyncMetrics()],
+        )
+        stale = history.history["stale_dropped"]
+        self.assertGreater(stale[-1], 0)
+        self.assertEqual(
+            history.history["sync_steps"][-1],
+            float(model.optimizer.iterations.numpy()),
+        )
+        self.assertGreater(history.history["barrier_wait_s"][-1], 0)
+        accepted = int(model.optimizer.gradients_accepted.numpy())
+        # Every push is accounted for: accepted or dropped as stale.
+        self.assertEqual(accepted + int(stale[-1]), 24)
+        self.assertGreaterEqual(
+            accepted, 2 * int(history.history["sync_steps"][-1])
+        )
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,91 @@
+"""Keras callbacks that report what the synchronous machinery did."""
+
+from __future__ import annotations
+
+import time
+
+import tf_keras
+
+
+def find_sync_optimizer(optimizer):
+    """The `SyncOptimizer` in `optimizer` (itself, or under loss scaling)."""
+    from tf2sync._src.optimizer import SyncOptimizer
+
+    if isinstance(optimizer, SyncOptimizer):
+        return optimizer
+    inner = getattr(optimizer, "sync_optimizer", None)
+    if isinstance(inner, SyncOptimizer):
+        return inner
+    raise ValueError(
+        "SyncMetrics needs a model compiled with tf2sync.SyncOptimizer. "
+        f"Received optimizer: {optimizer!r}"
+    )
+
+
+class SyncMetrics(tf_keras.callbacks.Callback):
+    """Exact synchronous-training metrics in the epoch logs.
+
+    `model.fit` under `SyncParameterServerStrategy` already adds the totals
+    `sync_steps`, `stale_dropped`, `nonfinite_dropped` and `barrier_wait_s`
+    to its logs, as read by the last scheduled step of the epoch; pushes of
+    other workers still in flight then may be missing. This callback reads
+    the parameter servers after the epoch's `join` and overwrites them with
+    exact values, and adds per-epoch figures:
+
+    * `stale_dropped_epoch`, `nonfinite_dropped_epoch`: dropped this epoch;
+    * `sync_steps_per_s`: synchronous updates per second of the epoch;
+    * `examples_per_s`: accepted gradients x `batch_size` per second (only
+      with `batch_size`);
+    * `barrier_wait_s_epoch`: seconds replicas waited for tokens.
+
+    Put it before `History`-reading callbacks (`CSVLogger`, `TensorBoard`)
+    in the callback list so that they record the exact values.
+    """
+
+    def __init__(self, batch_size: int | None = None):
+        """Args:
+        batch_size: Examples per replica step, for `examples_per_s`.
+        """
+        super().__init__()
+        self._batch_size = batch_size
+        self._start = None
+
+    def _totals(self):
+        sync = find_sync_optimizer(self.model.optimizer)
+        aggregator = sync._aggregator
+        return {
+            "sync_steps": int(sync.iterations.numpy()),
+            "stale_dropped": int(aggregator.stale_dropped.numpy()),
+            "nonfinite_dropped": int(aggregator.nonfinite_dropped.numpy()),
+            "barrier_wait_s": float(aggregator.wait_seconds.numpy()),
+            "accepted": int(aggregator.accepted.numpy()),
+        }
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = (time.perf_counter(), self._totals())
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None or self._start is None:
+            return
+        started, before = self._start
+        seconds = max(time.perf_counter() - started, 1e-9)
+        now = self._totals()
+        logs.update({k: v for k, v in now.items() if k != "accepted"})
+        logs["stale_dropped_epoch"] = (
+            now["stale_dropped"] - before["stale_dropped"]
+        )
+        logs["nonfinite_dropped_epoch"] = (
+            now["nonfinite_dropped"] - before["nonfinite_dropped"]
+        )
+        logs["barrier_wait_s_epoch"] = (
+            now["barrier_wait_s"] - before["barrier_wait_s"]
+        )
+        logs["sync_steps_per_s"] = (
+            now["sync_steps"] - before["sync_steps"]
+        ) / seconds
+        if self._batch_size:
+            logs["examples_per_s"] = (
+                (now["accepted"] - before["accepted"])
+                * self._batch_size
+                / seconds
+            )
