@@ -11,9 +11,17 @@ once per caller. The two families expose their kernels differently:
 * `tf_keras.optimizers.legacy.Optimizer` (`OptimizerV2`):
   `_create_all_weights`, `_prepare`, `_resource_apply_dense/_sparse`,
   clipping in `_transform_gradients`.
+
+tensorflow-addons' `tfa.optimizers.MultiOptimizer` (TF <= 2.15) is a legacy
+optimizer without kernels of its own: its `apply_gradients` routes each
+gradient by `var.name` to every spec whose `weights` hold that name and calls
+each spec optimizer's `apply_gradients`. tf2sync routes the same way and
+calls each spec optimizer's kernels instead (see `_tfa_specs`).
 """
 
 from __future__ import annotations
+
+import sys
 
 import tensorflow as tf
 import tf_keras
@@ -22,13 +30,60 @@ _NEW = tf_keras.optimizers.Optimizer
 _LEGACY = tf_keras.optimizers.legacy.Optimizer
 
 
+def is_tfa_multi(optimizer) -> bool:
+    """True for `tfa.optimizers.MultiOptimizer` (without importing tfa)."""
+    cls = type(optimizer)
+    return (
+        cls.__name__ == "MultiOptimizer"
+        and (cls.__module__ or "").startswith("tensorflow_addons.")
+        and isinstance(getattr(optimizer, "optimizer_specs", None), list)
+    )
+
+
+def _tfa_specs(optimizer):
+    """`[(spec optimizer, set of variable names)]` of a tfa MultiOptimizer."""
+    return [
+        (spec["optimizer"], frozenset(spec["weights"]))
+        for spec in optimizer.optimizer_specs
+    ]
+
+
+def _tfa_route(optimizer, items, name_of):
+    """Groups `items` by spec exactly as tfa's `apply_gradients` does.
+
+    An item goes to every spec whose weight names include its variable's
+    name (tfa applies a variable listed by two specs twice, and ignores one
+    listed by none). Empty groups are left out.
+    """
+    groups = []
+    for spec_optimizer, names in _tfa_specs(optimizer):
+        members = [i for i in items if name_of(i) in names]
+        if members:
+            groups.append((spec_optimizer, members))
+    return groups
+
+
 def check_optimizer(optimizer, argument="optimizer"):
     """Raises a clear `TypeError` unless `optimizer` is a tf_keras optimizer."""
     if isinstance(optimizer, (_NEW, _LEGACY)):
+        if is_tfa_multi(optimizer):
+            for spec_optimizer, _ in _tfa_specs(optimizer):
+                check_optimizer(spec_optimizer, "tfa MultiOptimizer spec")
         return
     hint = ""
     module = type(optimizer).__module__ or ""
-    if module.startswith("keras"):
+    keras_version = getattr(sys.modules.get("keras"), "__version__", "")
+    if keras_version.startswith("2.") and any(
+        (c.__module__ or "").startswith("keras.")
+        for c in type(optimizer).__mro__
+    ):
+        hint = (
+            " Its class derives from the standalone Keras 2 `keras` "
+            "package, not tf_keras: on TF <= 2.15 set TF_USE_LEGACY_KERAS=1 "
+            "(or import tf2sync) before importing tensorflow and "
+            "tensorflow_addons."
+        )
+    elif module.startswith("keras"):
         hint = (
             " This is a Keras 3 optimizer: Keras 3 does not support "
             "ParameterServerStrategy. Import tf2sync before tensorflow (it "
@@ -75,6 +130,18 @@ def build(optimizer, var_list) -> None:
     with tf.init_scope():
         if hasattr(optimizer, "apply_aggregated"):  # tf2sync.MultiOptimizer
             optimizer.build(var_list)
+        elif is_tfa_multi(optimizer):
+            _ = optimizer.iterations  # The global step.
+            # tfa does not track its spec optimizers: track them here so
+            # that checkpoints hold each group's slots and step.
+            for i, (spec_optimizer, _) in enumerate(_tfa_specs(optimizer)):
+                name = f"tfa_spec_{i}"
+                if optimizer._lookup_dependency(name) is None:
+                    optimizer._track_trackable(spec_optimizer, name)
+            for spec_optimizer, variables in _tfa_route(
+                optimizer, list(var_list), lambda v: v.name
+            ):
+                build(spec_optimizer, variables)
         elif is_legacy(optimizer):
             optimizer._create_all_weights(var_list)
         else:
@@ -102,6 +169,17 @@ def apply(optimizer, grads_and_vars, apply_state=None) -> tf.Operation:
     grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
     if hasattr(optimizer, "apply_aggregated"):  # tf2sync.MultiOptimizer
         return optimizer.apply_aggregated(grads_and_vars)
+    if is_tfa_multi(optimizer):
+        # Each spec optimizer applies its share once (and steps its own
+        # `iterations`, as its `apply_gradients` would); then the global step.
+        done = [
+            apply(spec_optimizer, gv)
+            for spec_optimizer, gv in _tfa_route(
+                optimizer, grads_and_vars, lambda gv: gv[1].name
+            )
+        ]
+        with tf.control_dependencies(done):
+            return optimizer.iterations.assign_add(1).op
     if is_legacy(optimizer):
         _apply_legacy(optimizer, grads_and_vars)
     else:
