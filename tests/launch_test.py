@@ -1,11 +1,13 @@
 """The tf2sync binary: real multi-process clusters on 127.0.0.1."""
 
+import glob
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from absl.testing import absltest
@@ -246,6 +248,42 @@ class LaunchTest(parameterized.TestCase):
         self.assertNotEqual(process.returncode, 0)
         for pid in pids:
             self.assertFalse(_alive(pid), f"task {pid} left behind")
+
+    def test_checkpoints_resume_and_the_evaluator_follows_them(self):
+        directory = tempfile.mkdtemp()
+        ckpt = directory + "/ckpt"
+        common = ["--steps_per_epoch=10", f"--checkpoint_dir={ckpt}"]
+        first = _launch(
+            ["--epochs=2", f"--model_log_dir={directory}/tb", *common]
+        )
+        self.assertEqual(first.returncode, 0, first.stderr[-3000:])
+        self.assertTrue(os.path.exists(ckpt + "/ckpt-2.index"))
+        # A restarted chief resumes after epoch 2: only epoch 3 runs, and
+        # the global step carries on from the checkpoint.
+        second = _launch(["--epochs=3", *common])
+        self.assertEqual(second.returncode, 0, second.stderr[-3000:])
+        self.assertIn("Resumed from", second.stderr)
+        self.assertNotIn("Epoch 2/3", second.stdout)
+        self._check_result(second, 3, 10)
+        chief_accuracy = _RESULT.search(second.stdout).group(1)
+        evaluator = _launch(
+            [
+                "--job_name=evaluator",
+                f"--checkpoint_dir={ckpt}",
+                "--max_evaluations=1",
+                "--eval_timeout=10",
+            ]
+        )
+        self.assertEqual(evaluator.returncode, 0, evaluator.stderr[-3000:])
+        self.assertIn("eval epoch=3 loss=", evaluator.stdout)
+        self.assertIn(f"accuracy={chief_accuracy}", evaluator.stdout)
+        events = glob.glob(directory + "/tb/train/events*")
+        self.assertNotEmpty(events)
+
+    def test_evaluator_needs_a_checkpoint_dir(self):
+        out = _launch(["--job_name=evaluator"], timeout=60)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("--job_name=evaluator needs --checkpoint_dir", out.stderr)
 
     def test_malformed_tf_config(self):
         env = dict(_ENV, TF_CONFIG="{not json")

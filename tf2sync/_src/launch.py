@@ -96,6 +96,27 @@ _MIXED_PRECISION = flags.DEFINE_enum(
 _CONNECT_TIMEOUT = flags.DEFINE_float(
     "connect_timeout", 60.0, "Seconds to wait for each task to answer."
 )
+_CHECKPOINT_DIR = flags.DEFINE_string(
+    "checkpoint_dir",
+    None,
+    "Chief: save model and optimizer after every epoch and resume from the "
+    "latest on restart. Evaluator: the checkpoints to evaluate.",
+)
+_MODEL_LOG_DIR = flags.DEFINE_string(
+    "model_log_dir",
+    None,
+    "TensorBoard logs (chief: training and sync metrics; evaluator: eval).",
+)
+_MAX_EVALUATIONS = flags.DEFINE_integer(
+    "max_evaluations",
+    None,
+    "Evaluator: stop after this many checkpoints (default: --epochs).",
+)
+_EVAL_TIMEOUT = flags.DEFINE_float(
+    "eval_timeout",
+    600.0,
+    "Evaluator: stop when no new checkpoint comes for this many seconds.",
+)
 _TASK_LOG_DIR = flags.DEFINE_string(
     "task_log_dir", None, "Where local-cluster tasks write their logs."
 )
@@ -260,8 +281,27 @@ def train(resolver, job):
     data = tf.keras.utils.experimental.DatasetCreator(
         lambda ctx: job.train_dataset(ctx, batch)
     )
+    callbacks = [tf2sync.SyncMetrics(batch_size=batch)]
+    initial_epoch = 0
+    if _CHECKPOINT_DIR.value:
+        from tf2sync._src import checkpointing
+
+        saver = checkpointing.EpochCheckpoint(
+            _CHECKPOINT_DIR.value, model, model.optimizer
+        )
+        initial_epoch = saver.restore_latest()
+        callbacks.append(saver)
+    if _MODEL_LOG_DIR.value:
+        callbacks.append(tf.keras.callbacks.TensorBoard(_MODEL_LOG_DIR.value))
     start = time.monotonic()
-    model.fit(data, epochs=_EPOCHS.value, steps_per_epoch=steps, verbose=2)
+    model.fit(
+        data,
+        epochs=_EPOCHS.value,
+        initial_epoch=initial_epoch,
+        steps_per_epoch=steps,
+        verbose=2,
+        callbacks=callbacks,
+    )
     seconds = time.monotonic() - start
     x, y = job.eval_arrays()
     local = job.build_model()
@@ -338,9 +378,7 @@ def _main():
         train(resolver, job)
         return 0
     if job_name == "evaluator":
-        raise app.UsageError(
-            "--job_name=evaluator is not supported yet: evaluate on the chief."
-        )
+        return _evaluate(job)
     if os.environ.get("TF_CONFIG"):
         return _main_tf_config(job)
     from tf2sync._src import processes
@@ -356,6 +394,28 @@ def _main():
         train(resolver, job)
     finally:
         cluster.stop()
+    return 0
+
+
+def _evaluate(job):
+    """The evaluator role: evaluates the chief's checkpoints as they come."""
+    from tf2sync._src import checkpointing
+
+    if not _CHECKPOINT_DIR.value:
+        raise app.UsageError(
+            "--job_name=evaluator needs --checkpoint_dir (where the chief "
+            "saves its checkpoints)."
+        )
+    checkpointing.evaluate_checkpoints(
+        job.build_model,
+        job.eval_arrays(),
+        job.LOSS,
+        job.METRICS,
+        _CHECKPOINT_DIR.value,
+        log_dir=_MODEL_LOG_DIR.value,
+        max_evaluations=_MAX_EVALUATIONS.value or _EPOCHS.value,
+        timeout=_EVAL_TIMEOUT.value,
+    )
     return 0
 
 
@@ -390,8 +450,10 @@ def _main_tf_config(job):
         _wait_all(spec)
         train(resolver, job)
         return 0
+    if task_type == "evaluator":
+        return _evaluate(job)
     raise app.UsageError(
-        "TF_CONFIG task.type must be chief, ps or worker. Received: "
+        "TF_CONFIG task.type must be chief, ps, worker or evaluator. Received: "
         f"{task_type!r}"
     )
 
