@@ -180,9 +180,11 @@ class Aggregator:
         self.wait_seconds = _ps_variable(
             tf.constant(0.0, tf.float64), self.device, name + "_wait"
         )
-        # Optional hooks run inside the critical section (loss scaling).
-        self.on_nonfinite = lambda: []
-        self.on_applied = lambda: []
+        # Hooks run inside the critical section: callables returning ops.
+        # `after_apply` runs after each update, before tokens are released
+        # (loss scaling, EMA); `on_nonfinite` when a push is non-finite.
+        self.after_apply = []
+        self.on_nonfinite = []
         self.seed_tokens(config.tokens_per_step)
 
     # Coordinator side -----------------------------------------------------
@@ -301,7 +303,7 @@ class Aggregator:
                 ops = [
                     self.nonfinite_dropped.assign_add(1, read_value=False),
                     self._tokens.enqueue(tf.constant(0, tf.int64)),
-                ] + list(self.on_nonfinite())
+                ] + [op for hook in self.on_nonfinite for op in hook()]
             with tf.control_dependencies(ops):
                 return tf.constant(False)
 
@@ -394,7 +396,7 @@ class Aggregator:
         with _SyncApplyScope():
             applied = self._apply_fn(grads_and_vars)
             with tf.control_dependencies([applied]):
-                hooks = list(self.on_applied())
+                hooks = [op for hook in self.after_apply for op in hook()]
             if hooks:
                 with tf.control_dependencies(hooks):
                     applied = tf.identity(self.global_step.read_value())

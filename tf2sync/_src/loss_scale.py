@@ -98,8 +98,8 @@ class SyncLossScaleOptimizer(lso.LossScaleOptimizer):
         if dynamic:
             state = self._loss_scale
             aggregator = inner_optimizer._aggregator
-            aggregator.on_nonfinite = lambda: _halve(state)
-            aggregator.on_applied = lambda: _count_good_step(state)
+            aggregator.on_nonfinite.append(lambda: _halve(state))
+            aggregator.after_apply.append(lambda: _count_good_step(state))
 
     @property
     def sync_optimizer(self):
@@ -117,6 +117,14 @@ class SyncLossScaleOptimizer(lso.LossScaleOptimizer):
     @property
     def gradients_accepted(self):
         return self._optimizer.gradients_accepted
+
+    @property
+    def ema_variables(self):
+        return self._optimizer.ema_variables
+
+    def ema_weights(self):
+        """See `SyncOptimizer.ema_weights`."""
+        return self._optimizer.ema_weights()
 
     def build(self, var_list):
         self._optimizer.build(var_list)

@@ -6,6 +6,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf2sync._src import aggregation
+from tf2sync._src import ema
 from tf2sync._src import keras_compat
 from tf2sync._src import strategy as strategy_lib
 
@@ -69,6 +70,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         optimizer,
         *,
         nonfinite: str = "skip",
+        ema_decay: float | None = None,
         name: str | None = None,
     ):
         """Wraps `optimizer` and creates the synchronous state eagerly.
@@ -79,6 +81,9 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             not yet used.
           nonfinite: "skip" (drop and count a push with NaN/Inf gradients)
             or "raise" (fail the step).
+          ema_decay: If set, keep exponential moving averages of the
+            trained variables, updated once per synchronous step after the
+            apply (see `ema_weights`); saved in checkpoints.
           name: Name of the wrapper; defaults to "Sync" + the inner name.
 
         Raises:
@@ -120,6 +125,10 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             name=self._name,
         )
         strategy._attach(self._aggregator)
+        self._ema = None
+        if ema_decay is not None:
+            self._ema = ema.MovingAverages(ema_decay, strategy)
+            self._aggregator.after_apply.append(self._ema.update_ops)
 
     # Delegation -----------------------------------------------------------
 
@@ -168,6 +177,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         return {
             "name": self._name,
             "nonfinite": self._nonfinite,
+            "ema_decay": self._ema.decay if self._ema else None,
             "optimizer": tf_keras.optimizers.serialize(self._optimizer),
         }
 
@@ -196,6 +206,30 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         """Pushed gradients accepted into an update (total, on the ps)."""
         return self._aggregator.accepted
 
+    @property
+    def ema_variables(self) -> list:
+        """The moving averages (empty unless `ema_decay` was given)."""
+        return list(self._ema.shadows) if self._ema else []
+
+    def ema_weights(self):
+        """Context manager: within it the model variables hold their EMA.
+
+        Use it to evaluate or export the averaged model::
+
+            with optimizer.ema_weights():
+                model.evaluate(...)
+                model.save("model.keras", include_optimizer=False)
+
+        Raises:
+          ValueError: If the optimizer was created without `ema_decay`.
+        """
+        if self._ema is None:
+            raise ValueError(
+                "ema_weights() needs SyncOptimizer(..., ema_decay=...). "
+                "Received: ema_decay=None"
+            )
+        return self._ema.swapped()
+
     def build(self, var_list):
         """Creates the wrapped optimizer's slots eagerly, under the scope.
 
@@ -207,6 +241,11 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         """
         with tf.init_scope(), self._strategy.scope():
             keras_compat.build(self._optimizer, var_list)
+        if self._ema is not None:
+            new = len(self._ema.shadows)
+            self._ema.build(var_list)
+            for i in range(new, len(self._ema.shadows)):
+                self._track_trackable(self._ema.shadows[i], f"ema_{i}")
 
     def apply_gradients(
         self, grads_and_vars, name=None, experimental_aggregate_gradients=True

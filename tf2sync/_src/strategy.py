@@ -59,12 +59,14 @@ class _SyncExtended(
 
     Every stock Keras optimizer applies through `extended.update`; tf2sync
     applies inside its critical section and marks that region. An update
-    outside it would be an asynchronous apply, so it fails at trace time,
-    before the first step runs.
+    traced outside it would be an asynchronous apply, so it fails at trace
+    time, before the first step runs. Eager updates from the coordinator
+    (`model.set_weights`, restoring weights) are not training steps and
+    pass.
     """
 
     def _update(self, var, fn, args, kwargs, group):
-        if not aggregation.in_sync_apply():
+        if tf.inside_function() and not aggregation.in_sync_apply():
             raise TypeError(_UNWRAPPED_MESSAGE.format("<your optimizer>"))
         return super()._update(var, fn, args, kwargs, group)
 
