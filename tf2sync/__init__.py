@@ -17,6 +17,7 @@ from tf2sync._src.callbacks import SyncMetrics  # noqa: E402
 from tf2sync._src.multi_optimizer import MultiOptimizer  # noqa: E402
 from tf2sync._src.optimizer import SyncOptimizer  # noqa: E402
 from tf2sync._src.strategy import SyncParameterServerStrategy  # noqa: E402
+from tf2sync._src.trainer import Trainer  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -25,5 +26,6 @@ __all__ = [
     "SyncMetrics",
     "SyncOptimizer",
     "SyncParameterServerStrategy",
+    "Trainer",
     "testing",
 ]

@@ -1,0 +1,154 @@
+"""tf2sync.Trainer: hooks, callbacks, checkpoints and exact resume."""
+
+import tempfile
+
+import tensorflow as tf
+import testutil
+from absl.testing import absltest
+
+import tf2sync
+
+_X, _Y = testutil.data("dense", 32)
+
+
+def _dataset_fn(input_context):
+    del input_context
+    return tf.data.Dataset.from_tensors((_X, _Y)).repeat()
+
+
+def _parts(seed=0):
+    strategy = testutil.strategy(2, replicas_to_aggregate=2)
+    with strategy.scope():
+        model = testutil.dense_model(seed)
+        optimizer = tf2sync.SyncOptimizer(
+            tf.keras.optimizers.Adam(0.01), ema_decay=0.9
+        )
+    return strategy, model, optimizer
+
+
+class _Recorder(tf.keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def on_train_begin(self, logs=None):
+        self.events.append("train_begin")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.events.append(f"epoch_begin_{epoch}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.events.append(f"epoch_end_{epoch}:{logs['sync_steps']}")
+
+    def on_train_end(self, logs=None):
+        self.events.append("train_end")
+
+
+class _Hooked(tf2sync.Trainer):
+    begins = 0
+
+    def train_loop_begin(self):
+        self.begins += 1
+
+    def train_loop_end(self, logs):
+        return dict(logs, hooked=1.0)
+
+
+class TrainerTest(absltest.TestCase):
+    def test_hooks_callbacks_and_sync_steps(self):
+        strategy, model, optimizer = _parts()
+        recorder = _Recorder()
+        trainer = _Hooked(
+            strategy=strategy,
+            model=model,
+            optimizer=optimizer,
+            loss_fn=testutil.mean_loss,
+            steps_per_loop=4,
+            callbacks=[recorder],
+            verbose=0,
+        )
+        history = trainer.train(_dataset_fn, epochs=2, steps_per_epoch=8)
+        self.assertEqual(trainer.begins, 2)
+        self.assertEqual(
+            recorder.events,
+            [
+                "train_begin",
+                "epoch_begin_0",
+                "epoch_end_0:4",
+                "epoch_begin_1",
+                "epoch_end_1:8",
+                "train_end",
+            ],
+        )
+        self.assertEqual(history.history["hooked"], [1.0, 1.0])
+        self.assertEqual(history.history["sync_steps"], [4, 8])
+        self.assertLess(history.history["loss"][1], history.history["loss"][0])
+
+    def test_resume_is_exact(self):
+        strategy, model, optimizer = _parts()
+        tf2sync.Trainer(
+            strategy=strategy,
+            model=model,
+            optimizer=optimizer,
+            loss_fn=testutil.mean_loss,
+            steps_per_loop=2,
+            verbose=0,
+        ).train(_dataset_fn, epochs=4, steps_per_epoch=4)
+        uninterrupted = model.get_weights()
+        ema = [v.numpy() for v in optimizer.ema_variables]
+
+        directory = tempfile.mkdtemp()
+        strategy, model, optimizer = _parts()
+        tf2sync.Trainer(
+            strategy=strategy,
+            model=model,
+            optimizer=optimizer,
+            loss_fn=testutil.mean_loss,
+            steps_per_loop=2,
+            checkpoint_dir=directory,
+            verbose=0,
+        ).train(_dataset_fn, epochs=2, steps_per_epoch=4)
+        # A new process would start from scratch: a fresh strategy, model
+        # (other initial weights) and optimizer, the same checkpoint_dir.
+        strategy, model, optimizer = _parts(seed=7)
+        history = tf2sync.Trainer(
+            strategy=strategy,
+            model=model,
+            optimizer=optimizer,
+            loss_fn=testutil.mean_loss,
+            steps_per_loop=2,
+            checkpoint_dir=directory,
+            verbose=0,
+        ).train(_dataset_fn, epochs=4, steps_per_epoch=4)
+        self.assertLen(history.history["loss"], 2)  # epochs 3 and 4 only
+        self.assertEqual(int(optimizer.iterations.numpy()), 8)
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), uninterrupted), 1e-6
+        )
+        self.assertLess(
+            testutil.max_abs_diff(
+                [v.numpy() for v in optimizer.ema_variables], ema
+            ),
+            1e-6,
+        )
+
+    def test_steps_not_a_multiple_of_the_loop(self):
+        strategy, model, optimizer = _parts()
+        trainer = tf2sync.Trainer(
+            strategy=strategy,
+            model=model,
+            optimizer=optimizer,
+            loss_fn=testutil.mean_loss,
+            steps_per_loop=4,
+            verbose=0,
+        )
+        with self.assertRaisesRegex(
+            ValueError,
+            r"`steps_per_epoch` must be a multiple of `steps_per_loop` \(4\)."
+            r" Received: steps_per_epoch=6",
+        ):
+            trainer.train(_dataset_fn, epochs=1, steps_per_epoch=6)
+
+
+if __name__ == "__main__":
+    absltest.main()
