@@ -224,6 +224,18 @@ class SyncMetricsTest(absltest.TestCase):
         accepted = int(model.optimizer.gradients_accepted.numpy())
         # Every push is accounted for: accepted or dropped as stale.
         self.assertEqual(accepted + int(stale[-1]), 24)
+        # Per worker: the straggler (pipeline 0) holds most stale pushes (at
+        # an epoch's join the fast workers idle, and then a straggler push
+        # can be fresh and make a fast one stale, so not all of them).
+        logs = {k: v[-1] for k, v in history.history.items()}
+        per_worker = [
+            logs[f"accepted_w{i}"] + logs[f"stale_w{i}"] for i in range(3)
+        ]
+        self.assertEqual(sum(per_worker), 24)
+        self.assertEqual(sum(logs[f"stale_w{i}"] for i in range(3)), stale[-1])
+        self.assertGreater(
+            logs["stale_w0"], logs["stale_w1"] + logs["stale_w2"]
+        )
         self.assertGreaterEqual(
             accepted, 2 * int(history.history["sync_steps"][-1])
         )

@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf2sync
+from tf2sync._src import cluster as cluster_lib
 
 _CURRENT = {}
 
@@ -21,7 +22,9 @@ def cluster(num_workers: int = 2, num_ps: int = 1):
     restart the chief's server on a port its unstoppable predecessor holds.
     """
     shape = (num_workers, num_ps)
-    if shape not in _CURRENT:
+    latest = cluster_lib.latest_local_cluster_spec()
+    cached = _CURRENT.get(shape)
+    if cached is None or cached.cluster_spec().as_dict() != latest:
         _CURRENT.clear()
         _CURRENT[shape] = tf2sync.testing.local_cluster(num_workers, num_ps)
     return _CURRENT[shape]

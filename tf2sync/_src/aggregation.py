@@ -141,7 +141,9 @@ class Aggregator:
     strategy scope; `push` and `acquire` are called while tracing steps.
     """
 
-    def __init__(self, config, global_step, apply_fn, name="tf2sync"):
+    def __init__(
+        self, config, global_step, apply_fn, name="tf2sync", num_workers=1
+    ):
         """Creates the token queue, counters and critical section eagerly.
 
         Args:
@@ -150,6 +152,7 @@ class Aggregator:
           apply_fn: `apply_fn(grads_and_vars) -> op`: applies aggregated
             gradients once and increments `global_step` by 1.
           name: Prefix of the variables and queues created.
+          num_workers: Workers in the cluster, for per-worker counts.
         """
         self.config = config
         self.global_step = global_step
@@ -179,6 +182,13 @@ class Aggregator:
         )
         self.wait_seconds = _ps_variable(
             tf.constant(0.0, tf.float64), self.device, name + "_wait"
+        )
+        self.num_workers = max(1, int(num_workers))
+        self.accepted_per_worker = _ps_variable(
+            tf.zeros([self.num_workers], tf.int64), self.device, name + "_wa"
+        )
+        self.stale_per_worker = _ps_variable(
+            tf.zeros([self.num_workers], tf.int64), self.device, name + "_ws"
         )
         # Hooks run inside the critical section: callables returning ops.
         # `after_apply` runs after each update, before tokens are released
@@ -230,19 +240,25 @@ class Aggregator:
     def metrics(self):
         """Totals on the ps, as tensors: the sync metrics of the logs."""
         with tf.device(self.device):
-            return {
+            metrics = {
                 "sync_steps": self.global_step.read_value(),
                 "stale_dropped": self.stale_dropped.read_value(),
                 "nonfinite_dropped": self.nonfinite_dropped.read_value(),
                 "barrier_wait_s": self.wait_seconds.read_value(),
             }
+            accepted = tf.unstack(self.accepted_per_worker.read_value())
+            stale = tf.unstack(self.stale_per_worker.read_value())
+        for i in range(self.num_workers):
+            metrics[f"accepted_w{i}"] = accepted[i]
+            metrics[f"stale_w{i}"] = stale[i]
+        return metrics
 
     def give_back(self, after):
         """Returns one token after `after` (a step that pushed nothing)."""
         with tf.control_dependencies(after), tf.device(self.device):
             return self._tokens.enqueue(tf.constant(0, tf.int64))
 
-    def push(self, tag, grads_and_vars, finite=None, waited=None):
+    def push(self, tag, grads_and_vars, finite=None, waited=None, worker=None):
         """Pushes one replica's gradients; returns True iff it applied.
 
         Args:
@@ -251,6 +267,8 @@ class Aggregator:
           finite: Optional scalar bool tensor; False drops the push as
             non-finite (counted, its token given back for another replica).
           waited: Optional float64 seconds this step waited for its token.
+          worker: Optional int64 index of the pushing worker, for the
+            per-worker counts.
         """
         self.build(grads_and_vars)
         layout = self._layout
@@ -285,6 +303,7 @@ class Aggregator:
                 ]
             with tf.control_dependencies(adds):
                 self.accepted.assign_add(1, read_value=False)
+                _count_worker(self.accepted_per_worker, worker)
                 count = self.count.assign_add(1)
             return tf.cond(
                 count >= self.config.replicas_to_aggregate,
@@ -294,7 +313,10 @@ class Aggregator:
 
         def reject():
             with tf.control_dependencies(
-                [self.stale_dropped.assign_add(1, read_value=False)]
+                [
+                    self.stale_dropped.assign_add(1, read_value=False),
+                    _count_worker(self.stale_per_worker, worker),
+                ]
             ):
                 return tf.constant(False)
 
@@ -414,6 +436,17 @@ class Aggregator:
             )
         with tf.control_dependencies([release]):
             return tf.constant(True)
+
+
+def _count_worker(counts, worker):
+    """Adds 1 to `counts[worker]` (a no-op without a worker index)."""
+    if worker is None:
+        return tf.no_op()
+    return counts.scatter_add(
+        tf.IndexedSlices(
+            tf.ones([1], tf.int64), tf.reshape(tf.cast(worker, tf.int64), [1])
+        )
+    )
 
 
 def _dedup(grad):

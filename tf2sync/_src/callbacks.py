@@ -22,6 +22,24 @@ def find_sync_optimizer(optimizer):
     )
 
 
+def sync_totals(sync) -> dict:
+    """Exact totals of a `SyncOptimizer`, read from the parameter servers."""
+    aggregator = sync._aggregator
+    totals = {
+        "sync_steps": int(sync.iterations.numpy()),
+        "stale_dropped": int(aggregator.stale_dropped.numpy()),
+        "nonfinite_dropped": int(aggregator.nonfinite_dropped.numpy()),
+        "barrier_wait_s": float(aggregator.wait_seconds.numpy()),
+        "accepted": int(aggregator.accepted.numpy()),
+    }
+    accepted = aggregator.accepted_per_worker.numpy()
+    stale = aggregator.stale_per_worker.numpy()
+    for i in range(aggregator.num_workers):
+        totals[f"accepted_w{i}"] = int(accepted[i])
+        totals[f"stale_w{i}"] = int(stale[i])
+    return totals
+
+
 class SyncMetrics(tf_keras.callbacks.Callback):
     """Exact synchronous-training metrics in the epoch logs.
 
@@ -36,7 +54,10 @@ class SyncMetrics(tf_keras.callbacks.Callback):
     * `sync_steps_per_s`: synchronous updates per second of the epoch;
     * `examples_per_s`: accepted gradients x `batch_size` per second (only
       with `batch_size`);
-    * `barrier_wait_s_epoch`: seconds replicas waited for tokens.
+    * `barrier_wait_s_epoch`: seconds replicas waited for tokens;
+    * `accepted_w<i>`, `stale_w<i>`: gradients of worker i accepted and
+      dropped as stale, in total (counted when the data comes through
+      `distribute_datasets_from_function`, e.g. a `DatasetCreator`).
 
     Put it before `History`-reading callbacks (`CSVLogger`, `TensorBoard`)
     in the callback list so that they record the exact values.
@@ -51,15 +72,7 @@ class SyncMetrics(tf_keras.callbacks.Callback):
         self._start = None
 
     def _totals(self):
-        sync = find_sync_optimizer(self.model.optimizer)
-        aggregator = sync._aggregator
-        return {
-            "sync_steps": int(sync.iterations.numpy()),
-            "stale_dropped": int(aggregator.stale_dropped.numpy()),
-            "nonfinite_dropped": int(aggregator.nonfinite_dropped.numpy()),
-            "barrier_wait_s": float(aggregator.wait_seconds.numpy()),
-            "accepted": int(aggregator.accepted.numpy()),
-        }
+        return sync_totals(find_sync_optimizer(self.model.optimizer))
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start = (time.perf_counter(), self._totals())

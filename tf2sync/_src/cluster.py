@@ -54,6 +54,12 @@ def server_config(num_workers: int) -> tf.compat.v1.ConfigProto:
 _STARTED = []
 
 
+def latest_local_cluster_spec():
+    """The cluster dict of the latest `local_cluster` of this process."""
+    specs = [s for s in _STARTED if isinstance(s, dict)]
+    return specs[-1] if specs else None
+
+
 def local_cluster(num_workers: int = 2, num_ps: int = 1):
     """Starts an in-process cluster on 127.0.0.1 and returns its resolver.
 
@@ -78,6 +84,7 @@ def local_cluster(num_workers: int = 2, num_ps: int = 1):
     spec_dict = cluster_spec_dict(num_workers, num_ps)
     spec = tf.train.ClusterSpec(spec_dict)
     config = server_config(num_workers)
+    _STARTED.append(spec_dict)  # the latest cluster comes last
     for job in ("worker", "ps"):
         for index in range(len(spec_dict[job])):
             _STARTED.append(

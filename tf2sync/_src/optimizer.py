@@ -123,6 +123,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             global_step,
             self._apply_aggregated,
             name=self._name,
+            num_workers=strategy._extended._num_workers,
         )
         strategy._attach(self._aggregator)
         self._ema = None
@@ -313,10 +314,11 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         step.pushed = True
         context = tf.distribute.get_replica_context()
         return context.merge_call(
-            self._push, args=(step.tag, grads_and_vars, step.waited)
+            self._push,
+            args=(step.tag, grads_and_vars, step.waited, step.worker),
         )
 
-    def _push(self, strategy, tag, grads_and_vars, waited=None):
+    def _push(self, strategy, tag, grads_and_vars, waited=None, worker=None):
         grads_and_vars = [
             (_sum_local(strategy, g), v) for g, v in grads_and_vars
         ]
@@ -337,12 +339,14 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             ]
             with tf.control_dependencies(checks):
                 tag = tf.identity(tag)
-            return self._aggregator.push(tag, grads_and_vars, waited=waited)
+            return self._aggregator.push(
+                tag, grads_and_vars, waited=waited, worker=worker
+            )
         finite = tf.reduce_all(
             [tf.reduce_all(tf.math.is_finite(v)) for v in values]
         )
         return self._aggregator.push(
-            tag, grads_and_vars, finite=finite, waited=waited
+            tag, grads_and_vars, finite=finite, waited=waited, worker=worker
         )
 
     def _apply_aggregated(self, grads_and_vars):

@@ -17,9 +17,10 @@ _STEP = threading.local()
 class StepContext:
     """What one traced replica step knows: its tag, and whether it pushed."""
 
-    def __init__(self, tag, waited=None):
+    def __init__(self, tag, waited=None, worker=None):
         self.tag = tag
         self.waited = waited
+        self.worker = worker
         self.pushed = False
 
 
@@ -45,6 +46,16 @@ def _is_keras_train_step(fn) -> bool:
     return "make_train_function" in getattr(fn, "__qualname__", "")
 
 
+_WORKER_KEY = "__tf2sync_worker__"
+
+
+def _untag(args):
+    """Splits the worker tag off a step's first argument, if it has one."""
+    if args and isinstance(args[0], dict) and _WORKER_KEY in args[0]:
+        return args[0][_WORKER_KEY], (args[0]["data"], *args[1:])
+    return None, args
+
+
 _UNWRAPPED_MESSAGE = (
     "A plain optimizer is updating variables under "
     "SyncParameterServerStrategy, which would train asynchronously. Wrap it: "
@@ -64,6 +75,21 @@ class _SyncExtended(
     (`model.set_weights`, restoring weights) are not training steps and
     pass.
     """
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        # Tag each element with its worker's index (the input pipeline id),
+        # for the per-worker gradient counts; `run` strips the tag.
+        def tagged(input_context):
+            dataset = dataset_fn(input_context)
+            worker = tf.constant(input_context.input_pipeline_id, tf.int64)
+            return dataset.map(
+                lambda *e: {
+                    _WORKER_KEY: worker,
+                    "data": e[0] if len(e) == 1 else e,
+                }
+            )
+
+        return super()._distribute_datasets_from_function(tagged, options)
 
     def _update(self, var, fn, args, kwargs, group):
         if tf.inside_function() and not aggregation.in_sync_apply():
@@ -179,11 +205,12 @@ class SyncParameterServerStrategy(
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """See base class. Adds the step barrier described above."""
+        worker, args = _untag(tuple(args or ()))
         aggregator = self._aggregator
         if aggregator is None or not tf.inside_function():
             return super().run(fn, args=args, kwargs=kwargs, options=options)
         tag, waited = aggregator.acquire()
-        step = StepContext(tag, waited)
+        step = StepContext(tag, waited, worker)
 
         def step_fn(*a, **k):
             with tf.control_dependencies([tag]), _StepScope(step):

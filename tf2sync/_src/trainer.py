@@ -194,14 +194,10 @@ class Trainer:
                     bar.update(i + 1, [("loss", losses[-1])])
             self.coordinator.join()
             seconds = time.perf_counter() - began
-            steps_done = int(sync.iterations.numpy()) - before
-            logs = {
-                "loss": sum(losses) / len(losses),
-                "sync_steps": int(sync.iterations.numpy()),
-                "stale_dropped": int(sync.stale_dropped.numpy()),
-                "nonfinite_dropped": int(sync.nonfinite_dropped.numpy()),
-                "sync_steps_per_s": steps_done / max(seconds, 1e-9),
-            }
+            totals = callbacks_lib.sync_totals(sync)
+            steps_done = totals["sync_steps"] - before
+            logs = {"loss": sum(losses) / len(losses), **totals}
+            logs["sync_steps_per_s"] = steps_done / max(seconds, 1e-9)
             logs = self.train_loop_end(logs)
             callback_list.on_epoch_end(epoch, logs)
             self._epoch.assign(epoch + 1)
