@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 
+import procutil
 import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -18,66 +19,13 @@ import tf2sync
 # Every test here starts real processes.
 pytestmark = pytest.mark.slow
 
-_ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-_ENV.pop("TF_CONFIG", None)
+_ENV = procutil.ENV
 _RESULT = re.compile(
     r"accuracy=(\S+) sync_steps_applied=(\d+) stale_gradients_dropped=(\d+)"
 )
-
-
-def _launch(args, env=None, timeout=240):
-    return subprocess.run(
-        [sys.executable, "-m", "tf2sync", *args],
-        capture_output=True,
-        text=True,
-        env=env or _ENV,
-        timeout=timeout,
-    )
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-class _Tasks:
-    """ps/worker tasks started by the test itself, ended by PID."""
-
-    def __init__(self, spec, env=None):
-        self.processes = []
-        for job in ("ps", "worker"):
-            for i in range(len(spec[job])):
-                args = [
-                    f"--job_name={job}",
-                    f"--task_index={i}",
-                    "--ps_hosts=" + ",".join(spec["ps"]),
-                    "--worker_hosts=" + ",".join(spec["worker"]),
-                    "--chief_host=" + spec["chief"][0],
-                ]
-                task_env = dict(env or _ENV)
-                if env and "TF_CONFIG" in env:
-                    config = json.loads(env["TF_CONFIG"])
-                    config["task"] = {"type": job, "index": i}
-                    task_env["TF_CONFIG"] = json.dumps(config)
-                    args = []
-                self.processes.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "tf2sync", *args],
-                        env=task_env,
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                    )
-                )
-
-    def stop(self):
-        for p in self.processes:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-            p.wait(timeout=30)
-        return [p.pid for p in self.processes]
+_launch = procutil.launch
+_alive = procutil.alive
+_Tasks = procutil.Tasks
 
 
 class LaunchTest(parameterized.TestCase):

@@ -93,6 +93,12 @@ _MIXED_PRECISION = flags.DEFINE_enum(
     "Keras dtype policy of the model; mixed_float16 turns on tf2sync's "
     "dynamic loss scaling.",
 )
+_TOKEN_TIMEOUT = flags.DEFINE_float(
+    "token_timeout",
+    60.0,
+    "Seconds without a synchronous step and without tokens after which the "
+    "chief releases the tokens a dead worker took (0: never).",
+)
 _CONNECT_TIMEOUT = flags.DEFINE_float(
     "connect_timeout", 60.0, "Seconds to wait for each task to answer."
 )
@@ -256,7 +262,10 @@ def train(resolver, job):
     rta = _REPLICAS_TO_AGGREGATE.value or num_workers
     total = _TOTAL_NUM_REPLICAS.value or max(num_workers, rta)
     strategy = tf2sync.SyncParameterServerStrategy(
-        resolver, replicas_to_aggregate=rta, total_num_replicas=total
+        resolver,
+        replicas_to_aggregate=rta,
+        total_num_replicas=total,
+        token_timeout=_TOKEN_TIMEOUT.value or None,
     )
     with strategy.scope():
         model = job.build_model()
@@ -299,7 +308,8 @@ def train(resolver, job):
         epochs=_EPOCHS.value,
         initial_epoch=initial_epoch,
         steps_per_epoch=steps,
-        verbose=2,
+        # A progress bar in a terminal, one line per epoch otherwise.
+        verbose=1 if sys.stdout.isatty() else 2,
         callbacks=callbacks,
     )
     seconds = time.monotonic() - start

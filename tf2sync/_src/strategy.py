@@ -141,6 +141,7 @@ class SyncParameterServerStrategy(
         replicas_to_aggregate: int,
         total_num_replicas: int | None = None,
         variable_partitioner=None,
+        token_timeout: float | None = 60.0,
     ):
         """Connects to the cluster and records the synchronous settings.
 
@@ -153,6 +154,9 @@ class SyncParameterServerStrategy(
             backup replicas; fewer means gradient accumulation.
           variable_partitioner: Must be `None`: sharded variables are not
             supported yet.
+          token_timeout: Seconds without progress and without tokens after
+            which the tokens a dead worker took are released (see
+            `tf2sync/_src/watchdog.py`); `None` turns that off.
 
         Raises:
           TypeError: If a count is not an int.
@@ -167,6 +171,13 @@ class SyncParameterServerStrategy(
                 "by SyncParameterServerStrategy yet. Received: "
                 f"variable_partitioner={variable_partitioner!r}"
             )
+        if token_timeout is not None and not float(token_timeout) > 0:
+            raise ValueError(
+                "`token_timeout` must be a positive number of seconds or "
+                f"None. Received: token_timeout={token_timeout!r}"
+            )
+        self._token_timeout = token_timeout
+        self._watchdog = None
         super().__init__(cluster_resolver)
         self._extended.__class__ = _SyncExtended
         self._aggregator = None
@@ -202,6 +213,12 @@ class SyncParameterServerStrategy(
                 "tf2sync.MultiOptimizer for several variable groups."
             )
         self._aggregator = aggregator
+        if self._token_timeout is not None:
+            from tf2sync._src import watchdog
+
+            self._watchdog = watchdog.TokenWatchdog(
+                aggregator, self._token_timeout
+            )
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """See base class. Adds the step barrier described above."""

@@ -1,0 +1,107 @@
+"""Faults on a real multi-process cluster on 127.0.0.1 (SIGKILL by PID).
+
+Every replica of `fault_job` sees the same full batch, so a run that
+applied U updates must end on the weights of U single-process steps: an
+update applied twice, or a stale gradient applied, would move them off.
+"""
+
+import re
+import tempfile
+
+import fault_job
+import procutil
+import pytest
+import tensorflow as tf
+from absl.testing import absltest
+
+import tf2sync
+
+pytestmark = pytest.mark.slow
+
+_APPLIED = re.compile(r"sync_steps_applied=(\d+) stale_gradients_dropped=(\d+)")
+
+
+def _chief_args(spec, checkpoint_dir, epochs, rta=None, total=None):
+    args = [
+        "--job_name=chief",
+        *procutil.host_flags(spec),
+        "--job_module=fault_job",
+        f"--epochs={epochs}",
+        "--steps_per_epoch=20",
+        "--steps_per_execution=1",
+        f"--learning_rate={fault_job.LEARNING_RATE}",
+        f"--momentum={fault_job.MOMENTUM}",
+        f"--checkpoint_dir={checkpoint_dir}",
+        "--token_timeout=3",
+    ]
+    if rta:
+        args += [
+            f"--replicas_to_aggregate={rta}",
+            f"--total_num_replicas={total}",
+        ]
+    return args
+
+
+class FaultTest(absltest.TestCase):
+    def _check_final_weights(self, output, checkpoint_dir):
+        match = _APPLIED.search(output)
+        self.assertIsNotNone(match, output)
+        updates = int(match.group(1))
+        model = fault_job.build_model()
+        latest = tf.train.latest_checkpoint(checkpoint_dir)
+        tf.train.Checkpoint(model=model).restore(latest).expect_partial()
+        expected = fault_job.reference_weights(updates)
+        diff = max(
+            float(abs(a - b).max())
+            for a, b in zip(model.get_weights(), expected)
+        )
+        self.assertLess(diff, 1e-4, f"after {updates} updates")
+        return updates
+
+    def _run_with_a_worker_killed(self, num_workers, rta, total):
+        spec = tf2sync.testing.cluster_spec_dict(num_workers, 1)
+        tasks = procutil.Tasks(spec)
+        directory = tempfile.mkdtemp()
+        chief = procutil.start(_chief_args(spec, directory, 5, rta, total))
+        try:
+            procutil.wait_for_line(chief, "Epoch 2/5")
+            tasks.kill("worker", num_workers - 1)
+            output = chief.stdout.read()
+            chief.wait(timeout=240)
+        finally:
+            procutil.kill(chief)
+            pids = tasks.stop()
+        self.assertEqual(chief.returncode, 0, output)
+        self.assertFalse(any(procutil.alive(p) for p in pids))
+        return self._check_final_weights(output, directory)
+
+    def test_worker_dies_without_backups_training_completes(self):
+        # 100 pushes, 2 per update; the dead worker's step is retried on the
+        # survivor, and a token it took is released by the watchdog.
+        updates = self._run_with_a_worker_killed(2, None, None)
+        self.assertBetween(updates, 45, 50)
+
+    def test_worker_dies_with_a_backup_training_goes_on(self):
+        updates = self._run_with_a_worker_killed(3, 2, 3)
+        self.assertGreater(updates, 0)
+
+    def test_chief_dies_and_a_restarted_chief_resumes(self):
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        tasks = procutil.Tasks(spec)
+        directory = tempfile.mkdtemp()
+        args = _chief_args(spec, directory, 4)
+        try:
+            first = procutil.start(args)
+            procutil.wait_for_line(first, "Epoch 3/4")  # ckpt-2 is saved
+            procutil.kill(first)
+            second = procutil.launch(args)
+        finally:
+            tasks.stop()
+        self.assertEqual(second.returncode, 0, second.stderr[-3000:])
+        self.assertIn("Resumed from", second.stderr)
+        self.assertNotIn("Epoch 1/4", second.stdout)
+        self._check_final_weights(second.stdout, directory)
+
+
+if __name__ == "__main__":
+    absltest.main()
