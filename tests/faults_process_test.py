@@ -7,6 +7,7 @@ update applied twice, or a stale gradient applied, would move them off.
 
 import re
 import tempfile
+import time
 
 import fault_job
 import procutil
@@ -101,6 +102,55 @@ class FaultTest(absltest.TestCase):
         self.assertIn("Resumed from", second.stderr)
         self.assertNotIn("Epoch 1/4", second.stdout)
         self._check_final_weights(second.stdout, directory)
+
+    def test_ps_dies_the_chief_waits_restores_and_goes_on(self):
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        tasks = procutil.Tasks(spec)
+        directory = tempfile.mkdtemp()
+        log = directory + "/chief.err"
+        args = _chief_args(spec, directory + "/ckpt", 5)
+        chief = procutil.start(
+            [*args, "--ps_restart_timeout=120"], stderr_path=log
+        )
+        try:
+            procutil.wait_for_line(chief, "Epoch 3/5")  # ckpt-2 is saved
+            tasks.kill("ps", 0)
+            time.sleep(2)
+            tasks.restart("ps", 0)  # same address, empty variables
+            output = chief.stdout.read()
+            chief.wait(timeout=240)
+        finally:
+            procutil.kill(chief)
+            pids = tasks.stop()
+        with open(log) as f:
+            stderr = f.read()
+        self.assertEqual(chief.returncode, 0, stderr[-3000:])
+        self.assertIn("waiting up to 120 s for the parameter servers", stderr)
+        self.assertIn("Resumed from", stderr)
+        self.assertFalse(any(procutil.alive(p) for p in pids))
+        self._check_final_weights(output, directory + "/ckpt")
+
+    def test_ps_that_never_comes_back_fails_with_its_address(self):
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        tasks = procutil.Tasks(spec)
+        directory = tempfile.mkdtemp()
+        log = directory + "/chief.err"
+        args = _chief_args(spec, directory + "/ckpt", 50)
+        chief = procutil.start(
+            [*args, "--ps_restart_timeout=3"], stderr_path=log
+        )
+        try:
+            procutil.wait_for_line(chief, "Epoch 2/50")
+            tasks.kill("ps", 0)
+            chief.wait(timeout=180)
+        finally:
+            procutil.kill(chief)
+            tasks.stop()
+        with open(log) as f:
+            stderr = f.read()
+        self.assertNotEqual(chief.returncode, 0)
+        self.assertIn("The parameter server did not come back", stderr)
+        self.assertIn(f"No task answered at {spec['ps'][0]} within 3 s", stderr)
 
 
 if __name__ == "__main__":

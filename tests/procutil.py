@@ -31,12 +31,13 @@ def launch(args, env=None, timeout=240):
     )
 
 
-def start(args, env=None):
-    """Starts `python -m tf2sync ARGS` with stdout piped, stderr to a file."""
+def start(args, env=None, stderr_path=None):
+    """Starts `python -m tf2sync ARGS`; stdout piped, stderr to a file."""
+    stderr = open(stderr_path, "w") if stderr_path else subprocess.DEVNULL  # noqa: SIM115
     return subprocess.Popen(
         [sys.executable, "-m", "tf2sync", *args],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         text=True,
         env=env or ENV,
     )
@@ -80,28 +81,37 @@ class Tasks:
     """ps/worker tasks started by a test, ended by PID in `stop`."""
 
     def __init__(self, spec, env=None):
+        self._spec = spec
+        self._env = env
         self.processes = {}
+        self.ended = []
         for job in ("ps", "worker"):
             for i in range(len(spec[job])):
-                args = [f"--job_name={job}", f"--task_index={i}"]
-                args += host_flags(spec)
-                task_env = dict(env or ENV)
-                if env and "TF_CONFIG" in env:
-                    config = json.loads(env["TF_CONFIG"])
-                    config["task"] = {"type": job, "index": i}
-                    task_env["TF_CONFIG"] = json.dumps(config)
-                    args = []
-                self.processes[(job, i)] = subprocess.Popen(
-                    [sys.executable, "-m", "tf2sync", *args],
-                    env=task_env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
+                self.restart(job, i)
+
+    def restart(self, job, index):
+        """(Re)starts task `job:index` at its address."""
+        args = [f"--job_name={job}", f"--task_index={index}"]
+        args += host_flags(self._spec)
+        task_env = dict(self._env or ENV)
+        if self._env and "TF_CONFIG" in self._env:
+            config = json.loads(self._env["TF_CONFIG"])
+            config["task"] = {"type": job, "index": index}
+            task_env["TF_CONFIG"] = json.dumps(config)
+            args = []
+        self.processes[(job, index)] = subprocess.Popen(
+            [sys.executable, "-m", "tf2sync", *args],
+            env=task_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     def kill(self, job, index):
-        kill(self.processes[(job, index)])
+        process = self.processes[(job, index)]
+        kill(process)
+        self.ended.append(process.pid)
 
     def stop(self):
         for process in self.processes.values():
             kill(process)
-        return [p.pid for p in self.processes.values()]
+        return self.ended + [p.pid for p in self.processes.values()]

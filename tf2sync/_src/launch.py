@@ -23,7 +23,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 from absl import app
 from absl import flags
@@ -98,6 +97,12 @@ _TOKEN_TIMEOUT = flags.DEFINE_float(
     60.0,
     "Seconds without a synchronous step and without tokens after which the "
     "chief releases the tokens a dead worker took (0: never).",
+)
+_PS_RESTART_TIMEOUT = flags.DEFINE_float(
+    "ps_restart_timeout",
+    300.0,
+    "Chief: seconds to wait for a failed parameter server to come back "
+    "before giving up (resuming needs --checkpoint_dir).",
 )
 _CONNECT_TIMEOUT = flags.DEFINE_float(
     "connect_timeout", 60.0, "Seconds to wait for each task to answer."
@@ -250,106 +255,31 @@ def _place_devices(job):
     logging.info("worker uses %d GPU(s)", wanted)
 
 
-def train(resolver, job):
-    """Runs the training job as chief; returns a dict of results."""
-    import tensorflow as tf
+def _chief_config():
+    from tf2sync._src import chief
 
-    import tf2sync
-
-    tf.config.set_visible_devices([], "GPU")  # the chief only coordinates
-    tf.keras.mixed_precision.set_global_policy(_MIXED_PRECISION.value)
-    num_workers = len(resolver.cluster_spec().as_dict()["worker"])
-    rta = _REPLICAS_TO_AGGREGATE.value or num_workers
-    total = _TOTAL_NUM_REPLICAS.value or max(num_workers, rta)
-    strategy = tf2sync.SyncParameterServerStrategy(
-        resolver,
-        replicas_to_aggregate=rta,
-        total_num_replicas=total,
-        token_timeout=_TOKEN_TIMEOUT.value or None,
-    )
-    with strategy.scope():
-        model = job.build_model()
-        optimizer = tf2sync.SyncOptimizer(_inner_optimizer(job))
-        model.compile(
-            optimizer=optimizer,
-            loss=job.LOSS,
-            metrics=list(job.METRICS),
-            steps_per_execution=_STEPS_PER_EXECUTION.value,
-        )
-    steps = _STEPS_PER_EPOCH.value or max(
-        1, job.num_train_examples() // (_BATCH_SIZE.value * num_workers)
-    )
-    print(
-        f"tf2sync: {num_workers} workers, "
-        f"{len(resolver.cluster_spec().as_dict()['ps'])} ps, "
-        f"replicas_to_aggregate={rta}, total_num_replicas={total}, "
-        f"{steps} steps/epoch, {_MIXED_PRECISION.value}",
-        flush=True,
-    )
-    batch = _BATCH_SIZE.value
-    data = tf.keras.utils.experimental.DatasetCreator(
-        lambda ctx: job.train_dataset(ctx, batch)
-    )
-    callbacks = [tf2sync.SyncMetrics(batch_size=batch)]
-    initial_epoch = 0
-    if _CHECKPOINT_DIR.value:
-        from tf2sync._src import checkpointing
-
-        saver = checkpointing.EpochCheckpoint(
-            _CHECKPOINT_DIR.value, model, model.optimizer
-        )
-        initial_epoch = saver.restore_latest()
-        callbacks.append(saver)
-    if _MODEL_LOG_DIR.value:
-        callbacks.append(tf.keras.callbacks.TensorBoard(_MODEL_LOG_DIR.value))
-    start = time.monotonic()
-    model.fit(
-        data,
+    return chief.ChiefConfig(
+        replicas_to_aggregate=_REPLICAS_TO_AGGREGATE.value,
+        total_num_replicas=_TOTAL_NUM_REPLICAS.value,
+        batch_size=_BATCH_SIZE.value,
         epochs=_EPOCHS.value,
-        initial_epoch=initial_epoch,
-        steps_per_epoch=steps,
-        # A progress bar in a terminal, one line per epoch otherwise.
-        verbose=1 if sys.stdout.isatty() else 2,
-        callbacks=callbacks,
+        steps_per_epoch=_STEPS_PER_EPOCH.value,
+        steps_per_execution=_STEPS_PER_EXECUTION.value,
+        learning_rate=_LEARNING_RATE.value,
+        momentum=_MOMENTUM.value,
+        mixed_precision=_MIXED_PRECISION.value,
+        token_timeout=_TOKEN_TIMEOUT.value or None,
+        checkpoint_dir=_CHECKPOINT_DIR.value,
+        model_log_dir=_MODEL_LOG_DIR.value,
+        ps_restart_timeout=_PS_RESTART_TIMEOUT.value,
     )
-    seconds = time.monotonic() - start
-    x, y = job.eval_arrays()
-    local = job.build_model()
-    local.set_weights(model.get_weights())
-    local.compile(loss=job.LOSS, metrics=list(job.METRICS))
-    _, accuracy = local.evaluate(x, y, verbose=0)
-    result = {
-        "accuracy": float(accuracy),
-        "sync_steps_applied": int(optimizer.iterations.numpy()),
-        "stale_gradients_dropped": int(optimizer.stale_dropped.numpy()),
-        "seconds": round(seconds, 2),
-    }
-    print(
-        f"accuracy={result['accuracy']:.4f} "
-        f"sync_steps_applied={result['sync_steps_applied']} "
-        f"stale_gradients_dropped={result['stale_gradients_dropped']}",
-        flush=True,
-    )
-    return result
 
 
-def _inner_optimizer(job):
-    """Momentum SGD; one per variable group if the job defines groups."""
-    import tensorflow as tf
+def train(resolver, job):
+    """Runs the training job as chief (see `chief.train`)."""
+    from tf2sync._src import chief
 
-    import tf2sync
-
-    def sgd(rate):
-        return tf.keras.optimizers.SGD(rate, momentum=_MOMENTUM.value)
-
-    if not hasattr(job, "optimizer_groups"):
-        return sgd(_LEARNING_RATE.value)
-    groups = job.optimizer_groups(_LEARNING_RATE.value)
-    for description, _, rate in groups:
-        print(f"tf2sync: group {description!r} learning_rate={rate:g}")
-    return tf2sync.MultiOptimizer(
-        groups={predicate: sgd(rate) for _, predicate, rate in groups}
-    )
+    return chief.train(resolver, job, _chief_config())
 
 
 def main(argv):

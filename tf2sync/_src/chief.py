@@ -1,0 +1,171 @@
+"""The chief's training job: build, fit, checkpoint, survive a ps restart."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import tensorflow as tf
+from absl import logging
+
+from tf2sync._src import checkpointing
+from tf2sync._src import processes
+
+
+@dataclasses.dataclass(frozen=True)
+class ChiefConfig:
+    """What the launcher's flags ask of the chief (see `launch.py`)."""
+
+    replicas_to_aggregate: int | None = None
+    total_num_replicas: int | None = None
+    batch_size: int = 32
+    epochs: int = 10
+    steps_per_epoch: int | None = None
+    steps_per_execution: int = 10
+    learning_rate: float = 0.01
+    momentum: float = 0.9
+    mixed_precision: str = "float32"
+    token_timeout: float | None = 60.0
+    checkpoint_dir: str | None = None
+    model_log_dir: str | None = None
+    ps_restart_timeout: float = 300.0
+
+
+def inner_optimizer(job, config: ChiefConfig):
+    """Momentum SGD; one per variable group if the job defines groups."""
+    import tf2sync
+
+    def sgd(rate):
+        return tf.keras.optimizers.SGD(rate, momentum=config.momentum)
+
+    if not hasattr(job, "optimizer_groups"):
+        return sgd(config.learning_rate)
+    groups = job.optimizer_groups(config.learning_rate)
+    for description, _, rate in groups:
+        print(f"tf2sync: group {description!r} learning_rate={rate:g}")
+    return tf2sync.MultiOptimizer(
+        groups={predicate: sgd(rate) for _, predicate, rate in groups}
+    )
+
+
+def train(resolver, job, config: ChiefConfig):
+    """Trains as chief; after a ps failure, waits, restores and goes on.
+
+    A parameter server that dies surfaces as `tf.errors.UnavailableError`.
+    With `checkpoint_dir`, the chief waits up to `ps_restart_timeout`
+    seconds for every ps to answer again, rebuilds strategy, model and
+    optimizer on the restarted ps, restores the last epoch checkpoint and
+    continues: at most one epoch of work is lost. Without `checkpoint_dir`,
+    or when no ps comes back in time, it raises a `RuntimeError` naming the
+    parameter servers.
+
+    Returns:
+      A dict: accuracy, sync_steps_applied, stale_gradients_dropped, seconds.
+    """
+    ps_hosts = resolver.cluster_spec().as_dict()["ps"]
+    while True:
+        try:
+            return _train_once(resolver, job, config)
+        except tf.errors.UnavailableError as error:
+            if not config.checkpoint_dir:
+                raise RuntimeError(
+                    f"A task is unreachable ({error.message.splitlines()[0]}"
+                    f"). Parameter servers: {ps_hosts}. Without "
+                    "--checkpoint_dir the chief cannot resume: rerun with "
+                    "it to survive a ps restart."
+                ) from None
+            logging.warning(
+                "tf2sync: lost a task (%s); waiting up to %.0f s for the "
+                "parameter servers %s, then resuming from the last "
+                "checkpoint.",
+                error.message.splitlines()[0],
+                config.ps_restart_timeout,
+                ps_hosts,
+            )
+            time.sleep(1.0)
+            try:
+                for address in ps_hosts:
+                    processes.wait_for_port(address, config.ps_restart_timeout)
+            except TimeoutError as timeout:
+                raise RuntimeError(
+                    f"The parameter server did not come back: {timeout}"
+                ) from None
+
+
+def _train_once(resolver, job, config: ChiefConfig):
+    import tf2sync
+
+    tf.config.set_visible_devices([], "GPU")  # the chief only coordinates
+    tf.keras.mixed_precision.set_global_policy(config.mixed_precision)
+    spec = resolver.cluster_spec().as_dict()
+    num_workers = len(spec["worker"])
+    rta = config.replicas_to_aggregate or num_workers
+    total = config.total_num_replicas or max(num_workers, rta)
+    strategy = tf2sync.SyncParameterServerStrategy(
+        resolver,
+        replicas_to_aggregate=rta,
+        total_num_replicas=total,
+        token_timeout=config.token_timeout,
+    )
+    with strategy.scope():
+        model = job.build_model()
+        optimizer = tf2sync.SyncOptimizer(inner_optimizer(job, config))
+        model.compile(
+            optimizer=optimizer,
+            loss=job.LOSS,
+            metrics=list(job.METRICS),
+            steps_per_execution=config.steps_per_execution,
+        )
+    steps = config.steps_per_epoch or max(
+        1, job.num_train_examples() // (config.batch_size * num_workers)
+    )
+    print(
+        f"tf2sync: {num_workers} workers, {len(spec['ps'])} ps, "
+        f"replicas_to_aggregate={rta}, total_num_replicas={total}, "
+        f"{steps} steps/epoch, {config.mixed_precision}",
+        flush=True,
+    )
+    batch = config.batch_size
+    data = tf.keras.utils.experimental.DatasetCreator(
+        lambda ctx: job.train_dataset(ctx, batch)
+    )
+    callbacks = [tf2sync.SyncMetrics(batch_size=batch)]
+    initial_epoch = 0
+    if config.checkpoint_dir:
+        saver = checkpointing.EpochCheckpoint(
+            config.checkpoint_dir, model, model.optimizer
+        )
+        initial_epoch = saver.restore_latest()
+        callbacks.append(saver)
+    if config.model_log_dir:
+        callbacks.append(tf.keras.callbacks.TensorBoard(config.model_log_dir))
+    start = time.monotonic()
+    model.fit(
+        data,
+        epochs=config.epochs,
+        initial_epoch=initial_epoch,
+        steps_per_epoch=steps,
+        # A progress bar in a terminal, one line per epoch otherwise.
+        verbose=1 if sys.stdout.isatty() else 2,
+        callbacks=callbacks,
+    )
+    seconds = time.monotonic() - start
+    x, y = job.eval_arrays()
+    local = job.build_model()
+    local.set_weights(model.get_weights())
+    local.compile(loss=job.LOSS, metrics=list(job.METRICS))
+    _, accuracy = local.evaluate(x, y, verbose=0)
+    totals = {
+        "accuracy": float(accuracy),
+        "sync_steps_applied": int(optimizer.iterations.numpy()),
+        "stale_gradients_dropped": int(optimizer.stale_dropped.numpy()),
+        "seconds": round(seconds, 2),
+    }
+    print(
+        f"accuracy={totals['accuracy']:.4f} "
+        f"sync_steps_applied={totals['sync_steps_applied']} "
+        f"stale_gradients_dropped={totals['stale_gradients_dropped']}",
+        flush=True,
+    )
+    return totals
