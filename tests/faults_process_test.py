@@ -86,6 +86,41 @@ class FaultTest(absltest.TestCase):
         updates = self._run_with_a_worker_killed(3, 2, 3)
         self.assertGreater(updates, 0)
 
+    def test_a_restarted_worker_rejoins_and_contributes(self):
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        tasks = procutil.Tasks(spec)
+        directory = tempfile.mkdtemp()
+        args = _chief_args(spec, directory, 40)
+        args[args.index("--steps_per_epoch=20")] = "--steps_per_epoch=50"
+        chief = procutil.start(args)
+        try:
+            procutil.wait_for_line(chief, "Epoch 2/40")
+            tasks.kill("worker", 1)
+            lines = procutil.wait_for_line(chief, "Epoch 4/40")
+            # Worker 1's count when it died (epoch 3 ran without it).
+            counts = re.findall(r"accepted_w1: (\S+)", "".join(lines))
+            at_death = float(counts[-1])
+            tasks.restart("worker", 1)  # same address
+            # The coordinator looks for a recovered worker every ~5 s.
+            rejoined = False
+            for line in chief.stdout:
+                match = re.search(r"accepted_w1: (\S+)", line)
+                if match and float(match.group(1)) > at_death:
+                    rejoined = True
+                    break
+            output = chief.stdout.read()
+            chief.wait(timeout=240)
+        finally:
+            procutil.kill(chief)
+            pids = tasks.stop()
+        self.assertTrue(rejoined, "worker 1 never contributed again")
+        self.assertEqual(chief.returncode, 0, output)
+        self.assertFalse(any(procutil.alive(p) for p in pids))
+        final = re.search(r"accepted_per_worker=\[(\d+), (\d+)\]", output)
+        self.assertIsNotNone(final, output)
+        self.assertGreater(int(final.group(2)), at_death)
+        self._check_final_weights(output, directory)
+
     def test_chief_dies_and_a_restarted_chief_resumes(self):
         spec = tf2sync.testing.cluster_spec_dict(2, 1)
         tasks = procutil.Tasks(spec)

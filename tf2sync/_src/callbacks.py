@@ -56,8 +56,7 @@ class SyncMetrics(tf_keras.callbacks.Callback):
       with `batch_size`);
     * `barrier_wait_s_epoch`: seconds replicas waited for tokens;
     * `accepted_w<i>`, `stale_w<i>`: gradients of worker i accepted and
-      dropped as stale, in total (counted when the data comes through
-      `distribute_datasets_from_function`, e.g. a `DatasetCreator`).
+      dropped as stale, in total.
 
     Put it before `History`-reading callbacks (`CSVLogger`, `TensorBoard`)
     in the callback list so that they record the exact values.

@@ -9,6 +9,7 @@ import time
 import tensorflow as tf
 from absl import logging
 
+from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import checkpointing
 from tf2sync._src import processes
 
@@ -156,16 +157,21 @@ def _train_once(resolver, job, config: ChiefConfig):
     local.set_weights(model.get_weights())
     local.compile(loss=job.LOSS, metrics=list(job.METRICS))
     _, accuracy = local.evaluate(x, y, verbose=0)
+    counts = callbacks_lib.sync_totals(optimizer)
     totals = {
         "accuracy": float(accuracy),
-        "sync_steps_applied": int(optimizer.iterations.numpy()),
-        "stale_gradients_dropped": int(optimizer.stale_dropped.numpy()),
+        "sync_steps_applied": counts["sync_steps"],
+        "stale_gradients_dropped": counts["stale_dropped"],
+        "accepted_per_worker": [
+            counts[f"accepted_w{i}"] for i in range(num_workers)
+        ],
         "seconds": round(seconds, 2),
     }
     print(
         f"accuracy={totals['accuracy']:.4f} "
         f"sync_steps_applied={totals['sync_steps_applied']} "
-        f"stale_gradients_dropped={totals['stale_gradients_dropped']}",
+        f"stale_gradients_dropped={totals['stale_gradients_dropped']} "
+        f"accepted_per_worker={totals['accepted_per_worker']}",
         flush=True,
     )
     return totals

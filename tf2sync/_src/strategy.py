@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import threading
+import weakref
 
 import tensorflow as tf
 from absl import logging
 from tensorflow.python.distribute import parameter_server_strategy_v2
+from tensorflow.python.distribute.coordinator import (
+    cluster_coordinator as coordinator_lib,
+)
+from tensorflow.python.distribute.coordinator import (
+    values as coordinator_values,
+)
 
 from tf2sync._src import aggregation
 from tf2sync._src import config as config_lib
@@ -46,14 +53,67 @@ def _is_keras_train_step(fn) -> bool:
     return "make_train_function" in getattr(fn, "__qualname__", "")
 
 
-_WORKER_KEY = "__tf2sync_worker__"
+def current_worker():
+    """The int64 index of the worker running the traced step, or None."""
+    return getattr(_STEP, "worker", None)
 
 
-def _untag(args):
-    """Splits the worker tag off a step's first argument, if it has one."""
-    if args and isinstance(args[0], dict) and _WORKER_KEY in args[0]:
-        return args[0][_WORKER_KEY], (args[0]["data"], *args[1:])
-    return None, args
+class _WorkerScope:
+    def __init__(self, worker):
+        self._worker = worker
+
+    def __enter__(self):
+        self._previous = current_worker()
+        _STEP.worker = self._worker
+
+    def __exit__(self, *exc):
+        _STEP.worker = self._previous
+
+
+class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
+    """Passes each scheduled function the index of the worker running it.
+
+    A scheduled function cannot tell which worker runs it; the coordinator
+    can. Every `tf.function` scheduled while a SyncOptimizer is attached is
+    wrapped to take a per-worker value (each worker's own index, built as a
+    per-worker resource, rebuilt when a worker restarts) and traced under it,
+    so that pushes are counted per worker. `ClusterCoordinator(strategy)`
+    returns this instance: tf_keras and user loops get it unchanged.
+    """
+
+    def __init__(self, strategy):
+        first = not getattr(self, "_has_initialized", False)
+        super().__init__(strategy)
+        if first:
+            self._worker_ids = None
+            self._wrapped = weakref.WeakKeyDictionary()
+
+    def _ids(self):
+        if self._worker_ids is None:
+            ids = []
+            for i, worker in enumerate(self._cluster.workers):
+                index = tf.function(lambda i=i: tf.constant(i, tf.int64))
+                ids.append(worker.create_resource(index))
+            self._worker_ids = coordinator_values.PerWorkerValues(tuple(ids))
+        return self._worker_ids
+
+    def schedule(self, fn, args=None, kwargs=None):
+        if self.strategy._aggregator is None or not isinstance(
+            fn, tf.types.experimental.GenericFunction
+        ):
+            return super().schedule(fn, args=args, kwargs=kwargs)
+        wrapped = self._wrapped.get(fn)
+        if wrapped is None:
+
+            def with_worker(worker, *a, **k):
+                with _WorkerScope(worker):
+                    return fn(*a, **k)
+
+            wrapped = tf.function(with_worker)
+            self._wrapped[fn] = wrapped
+        return super().schedule(
+            wrapped, args=(self._ids(), *(args or ())), kwargs=kwargs
+        )
 
 
 _UNWRAPPED_MESSAGE = (
@@ -75,21 +135,6 @@ class _SyncExtended(
     (`model.set_weights`, restoring weights) are not training steps and
     pass.
     """
-
-    def _distribute_datasets_from_function(self, dataset_fn, options):
-        # Tag each element with its worker's index (the input pipeline id),
-        # for the per-worker gradient counts; `run` strips the tag.
-        def tagged(input_context):
-            dataset = dataset_fn(input_context)
-            worker = tf.constant(input_context.input_pipeline_id, tf.int64)
-            return dataset.map(
-                lambda *e: {
-                    _WORKER_KEY: worker,
-                    "data": e[0] if len(e) == 1 else e,
-                }
-            )
-
-        return super()._distribute_datasets_from_function(tagged, options)
 
     def _update(self, var, fn, args, kwargs, group):
         if tf.inside_function() and not aggregation.in_sync_apply():
@@ -180,6 +225,8 @@ class SyncParameterServerStrategy(
         self._watchdog = None
         super().__init__(cluster_resolver)
         self._extended.__class__ = _SyncExtended
+        # Installed now, so that ClusterCoordinator(strategy) returns it.
+        _SyncCoordinator(self)
         self._aggregator = None
         num_workers = self._extended._num_workers
         if self._sync_config.total_num_replicas != num_workers:
@@ -222,12 +269,11 @@ class SyncParameterServerStrategy(
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """See base class. Adds the step barrier described above."""
-        worker, args = _untag(tuple(args or ()))
         aggregator = self._aggregator
         if aggregator is None or not tf.inside_function():
             return super().run(fn, args=args, kwargs=kwargs, options=options)
         tag, waited = aggregator.acquire()
-        step = StepContext(tag, waited, worker)
+        step = StepContext(tag, waited, current_worker())
 
         def step_fn(*a, **k):
             with tf.control_dependencies([tag]), _StepScope(step):
