@@ -1,7 +1,13 @@
-"""Faults: lost tokens, and what the watchdog does about them."""
+"""Faults: lost tokens, bad input, checkpoints killed mid-write."""
 
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 
+import numpy as np
 import tensorflow as tf
 import testutil
 from absl.testing import absltest
@@ -57,3 +63,140 @@ class TokenWatchdogTest(absltest.TestCase):
 
 if __name__ == "__main__":
     absltest.main()
+
+
+class BadInputTest(absltest.TestCase):
+    def _compiled(self, model_fn=testutil.dense_model):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = model_fn()
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1)),
+                loss=testutil.LOSS,
+            )
+        return model
+
+    def test_data_of_the_wrong_shape_fails_before_training(self):
+        model = self._compiled()
+        before = model.get_weights()
+        x, y = testutil.data("dense", 8)
+        ds = tf.data.Dataset.from_tensors((x[:, :3], y)).repeat()
+        with self.assertRaisesRegex(ValueError, "incompatible with the layer"):
+            model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+        self.assertEqual(testutil.max_abs_diff(model.get_weights(), before), 0)
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 0)
+
+    def test_a_dataset_that_ends_is_refused_before_training(self):
+        model = self._compiled()
+        x, y = testutil.data("dense", 8)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat(3)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"The dataset must repeat: .* Add `.repeat\(\)` and pass "
+            r"`steps_per_epoch`. Received: a dataset of 3 elements.",
+        ):
+            model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
+
+    def test_variables_without_gradients_are_left_alone(self):
+        def model_fn():
+            tf.keras.utils.set_random_seed(0)
+            x = tf.keras.Input((4,))
+            used = tf.keras.layers.Dense(3, name="used")(x)
+            # In the model, but no gradient reaches it.
+            unused = tf.stop_gradient(
+                tf.keras.layers.Dense(3, name="unused")(x)
+            )
+            return tf.keras.Model(x, used + 0.0 * unused)
+
+        model = self._compiled(model_fn)
+        unused = model.get_layer("unused").get_weights()
+        x, y = testutil.data("dense", 8)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=1, steps_per_epoch=4, verbose=0)
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 2)
+        self.assertEqual(
+            testutil.max_abs_diff(
+                model.get_layer("unused").get_weights(), unused
+            ),
+            0,
+        )
+
+    def test_no_gradient_at_all(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            v = tf.Variable(1.0)
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+        @tf.function
+        def step():
+            strategy.run(lambda: opt.apply_gradients([(None, v)]))
+
+        with self.assertRaisesRegex(
+            ValueError, r"No gradients provided for any variable: \['Variable"
+        ):
+            coordinator.schedule(step)
+
+    def test_a_group_that_matches_nothing(self):
+        multi = tf2sync.MultiOptimizer(
+            groups={
+                "kernel": tf.keras.optimizers.SGD(0.1),
+                "conv": tf.keras.optimizers.SGD(0.2),
+            },
+            default=tf.keras.optimizers.SGD(0.3),
+        )
+        with self.assertRaisesRegex(
+            ValueError,
+            r"Groups \[\"group 1 \(regex 'conv'\)\"\] match no variable",
+        ):
+            multi.route(testutil.dense_model().trainable_variables)
+
+
+_KILLED_WHILE_SAVING = """
+import os, signal, sys
+import numpy as np
+import tf2sync
+import tensorflow as tf
+from tensorflow.python.checkpoint import checkpoint_management
+from tf2sync._src import checkpointing
+
+directory = sys.argv[1]
+model = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(3,))])
+optimizer = tf.keras.optimizers.SGD(0.1)
+saver = checkpointing.EpochCheckpoint(directory, model, optimizer)
+saver.on_epoch_end(0)  # ckpt-1
+np.save(os.path.join(directory, "saved.npy"), model.get_weights()[0])
+model.set_weights([w + 1.0 for w in model.get_weights()])
+
+
+def die(*args, **kwargs):  # ckpt-2's data is written; its index is not
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+checkpoint_management.update_checkpoint_state_internal = die
+saver.on_epoch_end(1)
+"""
+
+
+class AtomicCheckpointTest(absltest.TestCase):
+    def test_chief_killed_while_saving_leaves_the_previous_usable(self):
+        directory = tempfile.mkdtemp()
+        out = subprocess.run(
+            [sys.executable, "-c", _KILLED_WHILE_SAVING, directory],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+            timeout=120,
+        )
+        self.assertEqual(out.returncode, -signal.SIGKILL, out.stderr[-2000:])
+        self.assertTrue(
+            any(name.startswith("ckpt-2") for name in os.listdir(directory))
+        )
+        latest = tf.train.latest_checkpoint(directory)
+        self.assertEqual(os.path.basename(latest), "ckpt-1")
+        model = tf.keras.Sequential(
+            [tf.keras.layers.Dense(2, input_shape=(3,))]
+        )
+        tf.train.Checkpoint(model=model).restore(latest).expect_partial()
+        saved = np.load(os.path.join(directory, "saved.npy"))
+        np.testing.assert_array_equal(model.get_weights()[0], saved)

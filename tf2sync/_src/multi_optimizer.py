@@ -140,6 +140,13 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
                     )
                 hits = [len(self._specs)]
             routes.setdefault(hits[0], []).append(var)
+        empty = [i for i in range(len(members)) if i not in routes]
+        if empty:
+            raise ValueError(
+                f"Groups {[self._describe(i) for i in empty]} match no "
+                f"variable: check them (variables: "
+                f"{[v.name for v in var_list]})."
+            )
         return routes
 
     def build(self, var_list):

@@ -136,6 +136,20 @@ class _SyncExtended(
     pass.
     """
 
+    def _experimental_distribute_dataset(self, dataset, options):
+        # Each worker iterates its own copy; a copy that runs out cancels
+        # every in-flight step with an opaque CancelledError. Refuse first.
+        cardinality = int(dataset.cardinality())
+        if cardinality >= 0:
+            raise ValueError(
+                "The dataset must repeat: under ParameterServerStrategy each "
+                "worker iterates its own copy, and training stops with an "
+                "error when any copy runs out. Add `.repeat()` and pass "
+                f"`steps_per_epoch`. Received: a dataset of {cardinality} "
+                "elements."
+            )
+        return super()._experimental_distribute_dataset(dataset, options)
+
     def _update(self, var, fn, args, kwargs, group):
         if tf.inside_function() and not aggregation.in_sync_apply():
             raise TypeError(_UNWRAPPED_MESSAGE.format("<your optimizer>"))
