@@ -56,6 +56,11 @@ class _SyncApplyScope:
         _STATE.apply_depth -= 1
 
 
+def sync_apply_scope():
+    """Marks traced variable updates as synchronous applies (see strategy)."""
+    return _SyncApplyScope()
+
+
 def _ps_variable(initial_value, device, name, dtype=None):
     """A plain resource variable on `device`, outside any strategy creator."""
     with tf.init_scope(), tf.device(device):

@@ -98,7 +98,10 @@ class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
         return self._worker_ids
 
     def schedule(self, fn, args=None, kwargs=None):
-        if self.strategy._aggregator is None or not isinstance(
+        wants_ids = self.strategy._aggregator is not None or getattr(
+            self.strategy, "_tf2sync_worker_ids", False
+        )
+        if not wants_ids or not isinstance(
             fn, tf.types.experimental.GenericFunction
         ):
             return super().schedule(fn, args=args, kwargs=kwargs)
@@ -285,6 +288,14 @@ class SyncParameterServerStrategy(
         """See base class. Adds the step barrier described above."""
         aggregator = self._aggregator
         if aggregator is None or not tf.inside_function():
+            worker = current_worker()
+            if worker is not None:  # carry it into the replica thread
+                inner = fn
+
+                def fn(*a, **k):
+                    with _WorkerScope(worker):
+                        return inner(*a, **k)
+
             return super().run(fn, args=args, kwargs=kwargs, options=options)
         tag, waited = aggregator.acquire()
         step = StepContext(tag, waited, current_worker())
