@@ -41,23 +41,10 @@ class EmaTest(absltest.TestCase):
                 tf.keras.optimizers.SGD(0.1, momentum=0.9), ema_decay=_DECAY
             )
             opt.build(model.trainable_variables)
-        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-
-        def replica(x, y):
-            with tf.GradientTape() as tape:
-                loss = testutil.mean_loss(y, model(x))
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-
-        @tf.function
-        def step(x, y):
-            strategy.run(replica, args=(x, y))
-
+        loop = testutil.Loop(strategy, model, opt)
         rounds = _round_trip_batches(3)
         for parts in rounds:
-            for x, y in parts:
-                coordinator.schedule(step, args=(x, y))
-            coordinator.join()
+            loop.round(parts)
         # NumPy reference: single-process trajectory at batch 2B; the EMA
         # starts at the initial weights and takes each post-update value.
         ref = testutil.dense_model()

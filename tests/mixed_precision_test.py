@@ -10,21 +10,7 @@ import tf2sync
 
 def _custom_round(strategy, model, opt, batches):
     """Schedules one replica step per batch, in order, then joins."""
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-
-    def replica(x, y):
-        with tf.GradientTape() as tape:
-            loss = testutil.mean_loss(y, model(x))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-
-    @tf.function
-    def step(x, y):
-        strategy.run(replica, args=(x, y))
-
-    for x, y in batches:
-        coordinator.schedule(step, args=(x, y))
-    coordinator.join()
+    testutil.Loop(strategy, model, opt).round(batches)
 
 
 class NonFiniteTest(absltest.TestCase):

@@ -4,8 +4,6 @@ Each test compares against a single-process reference: synchronous training
 with N replicas at batch B must follow single-process training at batch N*B.
 """
 
-import time
-
 import tensorflow as tf
 import testutil
 from absl.testing import absltest
@@ -36,44 +34,6 @@ def _reference(model_fn, opt_fn, batches):
     return model.get_weights()
 
 
-class _Loop:
-    """A custom loop: one replica step per scheduled function."""
-
-    def __init__(self, strategy, model, optimizer, delay=False):
-        self.strategy = strategy
-        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
-            strategy
-        )
-        variables = model.trainable_variables
-
-        def replica_step(x, y, seconds):
-            if delay:
-                slept = tf.py_function(
-                    lambda s: time.sleep(float(s)) or 0.0,
-                    [seconds],
-                    tf.float32,
-                )
-                x = x + tf.cast(slept, x.dtype) * 0
-            with tf.GradientTape() as tape:
-                loss = testutil.mean_loss(y, model(x))
-            grads = tape.gradient(loss, variables)
-            return optimizer.apply_gradients(zip(grads, variables))
-
-        @tf.function
-        def step(x, y, seconds):
-            return strategy.run(replica_step, args=(x, y, seconds))
-
-        self.step = step
-
-    def round(self, batches, delays=None):
-        delays = delays or [0.0] * len(batches)
-        for (x, y), d in zip(batches, delays):
-            self.coordinator.schedule(
-                self.step, args=(x, y, tf.constant(d, tf.float32))
-            )
-        self.coordinator.join()
-
-
 class EquivalenceTest(parameterized.TestCase):
     @parameterized.named_parameters(
         ("dense_sgd", "dense", "sgd"),
@@ -94,7 +54,7 @@ class EquivalenceTest(parameterized.TestCase):
             opt = tf2sync.SyncOptimizer(OPTIMIZERS[opt_name]())
             opt.build(model.trainable_variables)
         x, y = testutil.data(kind, num_workers * batch * rounds)
-        loop = _Loop(strategy, model, opt)
+        loop = testutil.Loop(strategy, model, opt)
         global_batches = []
         for r in range(rounds):
             lo = r * num_workers * batch
@@ -131,7 +91,7 @@ class EquivalenceTest(parameterized.TestCase):
             model = testutil.dense_model()
             opt = tf2sync.SyncOptimizer(OPTIMIZERS["momentum"]())
         x, y = testutil.data("dense", 4 * batch * rounds)
-        loop = _Loop(strategy, model, opt)
+        loop = testutil.Loop(strategy, model, opt)
         global_batches = []
         for r in range(rounds):
             lo = r * 4 * batch
@@ -169,7 +129,7 @@ class BackupWorkerTest(absltest.TestCase):
             model = testutil.dense_model()
             opt = tf2sync.SyncOptimizer(OPTIMIZERS["momentum"]())
         x, y = testutil.data("dense", 16)
-        loop = _Loop(strategy, model, opt, delay=True)
+        loop = testutil.Loop(strategy, model, opt, delay=True)
         for _ in range(rounds):
             loop.round([(x, y)] * 3, delays=[0.0, 0.0, 1.5])
         # Any two fresh gradients are equal (same batch, same weights), so
@@ -252,7 +212,7 @@ class ConfigErrorTest(parameterized.TestCase):
         with strategy.scope():
             opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
         x, y = testutil.data("dense", 8)
-        loop = _Loop(strategy, model, opt)
+        loop = testutil.Loop(strategy, model, opt)
         with self.assertRaisesRegex(
             ValueError,
             r"Variables \['dense.*/kernel:0', .*\] were created outside "

@@ -6,6 +6,8 @@ cluster shape once and every test builds a fresh strategy on it.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import tensorflow as tf
 
@@ -84,3 +86,46 @@ def max_abs_diff(a_weights, b_weights):
         float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
         for a, b in zip(a_weights, b_weights)
     )
+
+
+class Loop:
+    """A custom loop: one replica step per scheduled function.
+
+    `round(batches)` schedules a step per batch, in order, and joins; with
+    `delay=True` each step first sleeps its own `delays[i]` seconds after
+    reading its tag (in-process clusters only: it runs Python).
+    """
+
+    def __init__(self, strategy, model, optimizer, delay=False):
+        self.strategy = strategy
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
+            strategy
+        )
+        variables = model.trainable_variables
+
+        def replica_step(x, y, seconds):
+            if delay:
+                slept = tf.py_function(
+                    lambda s: time.sleep(float(s)) or 0.0,
+                    [seconds],
+                    tf.float32,
+                )
+                x = x + tf.cast(slept, x.dtype) * 0
+            with tf.GradientTape() as tape:
+                loss = mean_loss(y, model(x))
+            grads = tape.gradient(loss, variables)
+            return optimizer.apply_gradients(zip(grads, variables))
+
+        @tf.function
+        def step(x, y, seconds):
+            return strategy.run(replica_step, args=(x, y, seconds))
+
+        self.step = step
+
+    def round(self, batches, delays=None):
+        delays = delays or [0.0] * len(batches)
+        for (x, y), d in zip(batches, delays):
+            self.coordinator.schedule(
+                self.step, args=(x, y, tf.constant(d, tf.float32))
+            )
+        self.coordinator.join()
