@@ -13,6 +13,10 @@ Systems:
   tf2sync_fit      tf2sync through model.fit, steps_per_execution=K.
 
 Sync examples/s count only aggregated gradients (accepted pushes x B).
+Models, data and the optimizer (momentum SGD, `--optimizer`) come from
+benchmarks/workloads.py; benchmarks/harness.py is the fuller comparison
+(TF1 SyncReplicasOptimizer, MultiWorkerMirroredStrategy, stragglers,
+scaling, ps memory).
 
   python benchmarks/sync_vs_async.py --workload=w1 --repeats=3
 """
@@ -25,8 +29,9 @@ import time
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
+import systems  # noqa: E402
 import tensorflow as tf  # noqa: E402
+import workloads  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
@@ -43,74 +48,25 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Interleaved repeats.")
 _FUNCTIONS = flags.DEFINE_integer("functions", 40, "Timed functions per run.")
 _K = flags.DEFINE_integer("steps_per_function", 10, "Steps per function.")
 _OUTPUT = flags.DEFINE_string("output", None, "Append JSON lines here.")
+_OPTIMIZER = flags.DEFINE_enum(
+    "optimizer",
+    "legacy",
+    ["legacy", "keras"],
+    "Momentum SGD family (see benchmarks/workloads.py).",
+)
 
-BATCH = {"w1": 32, "w2": 64, "w3": 128}
-
-
-def build_model(workload):
-    if workload == "w1":
-        return tf.keras.Sequential(
-            [
-                tf.keras.layers.Dense(64, activation="relu", input_shape=(32,)),
-                tf.keras.layers.Dense(10),
-            ]
-        )
-    if workload == "w2":
-        return tf.keras.Sequential(
-            [
-                tf.keras.layers.Conv2D(
-                    32, 3, activation="relu", input_shape=(32, 32, 3)
-                ),
-                tf.keras.layers.Conv2D(64, 3, 2, activation="relu"),
-                tf.keras.layers.Conv2D(64, 3, 2, activation="relu"),
-                tf.keras.layers.GlobalAveragePooling2D(),
-                tf.keras.layers.Dense(10),
-            ]
-        )
-    return tf.keras.Sequential(
-        [
-            tf.keras.layers.Embedding(100_000, 32, input_length=20),
-            tf.keras.layers.GlobalAveragePooling1D(),
-            tf.keras.layers.Dense(64, activation="relu"),
-            tf.keras.layers.Dense(1),
-        ]
-    )
-
-
-def make_data(workload, n):
-    rng = np.random.RandomState(0)
-    if workload == "w1":
-        return rng.randn(n, 32).astype("float32"), rng.randint(0, 10, n)
-    if workload == "w2":
-        x = rng.randn(n, 32, 32, 3).astype("float32")
-        return x, rng.randint(0, 10, n)
-    x = rng.randint(0, 100_000, size=(n, 20))
-    return x, rng.randn(n, 1).astype("float32")
-
-
-def loss_fn(workload):
-    if workload == "w3":
-        return lambda y, p: tf.reduce_mean(tf.square(y - p))
-    return lambda y, p: tf.reduce_mean(
-        tf.keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True)
-    )
-
-
-def keras_loss(workload):
-    if workload == "w3":
-        return "mse"
-    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def dataset(workload, batch):
-    x, y = make_data(workload, batch * 8)
-    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
+BATCH = workloads.BATCH
+build_model = workloads.build_model
+make_data = workloads.make_data
+loss_fn = workloads.loss_fn
+keras_loss = workloads.keras_loss
+dataset = workloads.dataset
 
 
 def run_local(workload, workers, k, functions):
     batch = BATCH[workload] * workers
     model = build_model(workload)
-    opt = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+    opt = workloads.optimizer(_OPTIMIZER.value)
     loss = loss_fn(workload)
     it = iter(dataset(workload, batch))
 
@@ -137,9 +93,7 @@ def run_loop(strategy, workload, k, functions, sync):
     loss = loss_fn(workload)
     with strategy.scope():
         model = build_model(workload)
-        inner = tf.keras.optimizers.SGD(0.01, momentum=0.9)
-        opt = tf2sync.SyncOptimizer(inner) if sync else inner
-        opt.build(model.trainable_variables)
+        opt = systems.make_optimizer(model, _OPTIMIZER.value, sync)
     it = iter(
         coordinator.create_per_worker_dataset(lambda: dataset(workload, batch))
     )
@@ -187,7 +141,7 @@ def run_fit(strategy, workload, k, functions, sync):
     batch = BATCH[workload]
     with strategy.scope():
         model = build_model(workload)
-        inner = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+        inner = workloads.optimizer(_OPTIMIZER.value)
         opt = tf2sync.SyncOptimizer(inner) if sync else inner
         model.compile(
             optimizer=opt, loss=keras_loss(workload), steps_per_execution=k

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -131,7 +132,5 @@ class LocalProcessCluster:
 
 
 def _signal(pid, sig):
-    try:
+    with contextlib.suppress(ProcessLookupError):  # already gone
         os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
