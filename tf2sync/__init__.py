@@ -9,6 +9,7 @@ import os
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
+from tf2sync import compat  # noqa: E402
 from tf2sync import testing  # noqa: E402
 from tf2sync._src import loss_scale as _loss_scale  # noqa: E402
 
@@ -22,6 +23,7 @@ from tf2sync._src.trainer import Trainer  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "compat",
     "MultiOptimizer",
     "SyncMetrics",
     "SyncOptimizer",

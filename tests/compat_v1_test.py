@@ -1,0 +1,470 @@
+"""tf2sync.compat.v1.SyncReplicasOptimizer against TF1's own numbers.
+
+Every in-process test uses one cluster shape (3 workers, 2 ps); each test
+builds a fresh strategy on it. A replica step runs with an explicit worker
+index (`_Harness.run`), so the spec's sequential `s0.run`/`s1.run` phases
+are reproduced exactly.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+import testutil
+from absl.testing import absltest
+
+from tf2sync._src import strategy as strategy_lib
+from tf2sync.compat import v1 as compat_v1
+
+NUM_WORKERS, NUM_PS = 3, 2
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+class _Harness:
+    """TF's `get_workers` fixture: v0/global_step on ps0, v1/v_sparse on ps1."""
+
+    def __init__(self, rta, total, num_tokens=-1, inner=None, ema=None):
+        self.strategy = testutil.strategy(
+            NUM_WORKERS,
+            NUM_PS,
+            replicas_to_aggregate=rta,
+            total_num_replicas=total,
+        )
+        self.strategy._tf2sync_worker_ids = True
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
+            self.strategy
+        )
+        with self.strategy.scope():
+            # Round robin: ps0, ps1, ps0, ps1.
+            self.global_step = tf.Variable(
+                0, name="global_step", trainable=False
+            )
+            self.v1 = tf.Variable(1.0, name="v1")
+            self.v0 = tf.Variable(0.0, name="v0")
+            self.v_sparse = tf.Variable([[3.0], [4.0]], name="v_sparse")
+            self.opt = compat_v1.SyncReplicasOptimizer(
+                inner()
+                if inner
+                else tf.compat.v1.train.GradientDescentOptimizer(2.0),
+                replicas_to_aggregate=rta,
+                total_num_replicas=total,
+                variable_averages=ema,
+                variables_to_average=[self.v0, self.v1] if ema else None,
+            )
+        assert self.global_step.device.endswith(
+            "ps/replica:0/task:0/device:CPU:0"
+        )
+        assert self.v0.device == self.global_step.device
+        assert self.v_sparse.device == self.v1.device != self.v0.device
+        self.num_tokens = num_tokens
+        self.hook = None
+
+        strategy, opt = self.strategy, self.opt
+        gs = self.global_step
+        variables = [self.v0, self.v1, self.v_sparse]
+
+        @tf.function
+        def step(w):
+            def replica(w):
+                wf = tf.cast(w, tf.float32)
+                g0 = 0.1 + 0.2 * wf
+                g1 = 0.9 + 0.2 * wf
+                g_sparse = tf.IndexedSlices(
+                    tf.reshape(0.1 + 0.2 * wf, [1, 1]),
+                    tf.constant([1], tf.int64),
+                    tf.constant([2, 1], tf.int64),
+                )
+                return opt.apply_gradients(
+                    zip([g0, g1, g_sparse], variables), gs
+                )
+
+            with strategy_lib._WorkerScope(w):
+                return strategy.run(replica, args=(w,))
+
+        self.step = step
+
+    def trace(self):
+        self.step.get_concrete_function(tf.TensorSpec([], tf.int64))
+
+    def start(self, is_chief=True):
+        self.trace()
+        self.hook = self.opt.make_session_run_hook(is_chief, self.num_tokens)
+        self.hook.begin()
+        self.hook.after_create_session()
+
+    def schedule(self, w):
+        return self.coordinator.schedule(
+            self.step, args=(tf.constant(w, tf.int64),)
+        )
+
+    def run(self, w):
+        """One replica step of worker `w`, to completion (like `s_w.run`)."""
+        result = self.schedule(w)
+        self.coordinator.join()
+        return int(result.fetch())
+
+    def wait_global_step(self, value, timeout=60.0):
+        deadline = time.time() + timeout
+        while int(self.global_step.numpy()) != value:
+            error = self.opt.get_chief_queue_runner().error
+            if error is not None:
+                raise error
+            if time.time() > deadline:
+                raise AssertionError(
+                    f"global_step {int(self.global_step.numpy())} != {value}"
+                )
+            time.sleep(0.01)
+
+    def settle(self, accumulator, rta=2):
+        """Waits until no round is pending and the global step is still."""
+        previous = None
+        while True:
+            state = (
+                int(self.global_step.numpy()),
+                int(accumulator.num_accumulated()),
+            )
+            if state[1] < rta and state == previous:
+                return
+            previous = state
+            time.sleep(0.3)
+
+    def wait_rounds(self, value, timeout=60.0):
+        deadline = time.time() + timeout
+        while int(self.opt.rounds.numpy()) < value:
+            if time.time() > deadline:
+                raise AssertionError(f"rounds < {value}")
+            time.sleep(0.01)
+
+    def local_step(self, w):
+        return int(self.opt.local_steps.numpy()[w])
+
+    def close(self):
+        if self.hook is not None:
+            self.hook.end()
+
+
+class SyncReplicasTest(absltest.TestCase):
+    def setUp(self):
+        super().setUp()
+        self.harness = None
+
+    def tearDown(self):
+        if self.harness is not None:
+            self.harness.close()
+        super().tearDown()
+
+    def test_2_workers(self):
+        h = self.harness = _Harness(rta=2, total=2, num_tokens=2)
+        h.start()
+        self.assertAlmostEqual(float(h.v0.numpy()), 0.0)
+        self.assertAlmostEqual(float(h.v1.numpy()), 1.0)
+        self.assertEqual(h.local_step(0), 0)
+        self.assertEqual(int(h.global_step.numpy()), 0)
+        self.assertEqual(h.local_step(1), 0)
+        np.testing.assert_allclose(h.v_sparse.numpy(), [[3.0], [4.0]])
+
+        # Phase 1: sequential, the initial tokens let both pass.
+        h.run(0)
+        h.run(1)
+        h.wait_global_step(1)
+        self.assertAlmostEqual(float(h.v0.numpy()), -0.4, places=5)
+        self.assertAlmostEqual(float(h.v1.numpy()), -1.0, places=5)
+        np.testing.assert_allclose(
+            h.v_sparse.numpy(), [[3.0], [3.6]], rtol=1e-6
+        )
+        self.assertEqual(h.local_step(0), 0)
+        self.assertEqual(h.local_step(1), 0)
+
+        # Phase 2: stale gradients, dropped.
+        h.run(0)
+        h.run(1)
+        self.assertEqual(int(h.global_step.numpy()), 1)
+        self.assertEqual(h.local_step(0), 1)
+        self.assertEqual(h.local_step(1), 1)
+        self.assertAlmostEqual(float(h.v0.numpy()), -0.4, places=5)
+        self.assertAlmostEqual(float(h.v1.numpy()), -1.0, places=5)
+
+        # Phase 3: concurrent.
+        h.schedule(0)
+        h.schedule(1)
+        h.coordinator.join()
+        self.assertEqual(int(h.global_step.numpy()), 2)
+        self.assertAlmostEqual(float(h.v0.numpy()), -0.8, places=5)
+        self.assertAlmostEqual(float(h.v1.numpy()), -3.0, places=5)
+        self.assertEqual(int(h.opt.rounds.numpy()), 2)
+
+    def test_3_workers_1_backup(self):
+        h = self.harness = _Harness(rta=2, total=3, num_tokens=3)
+        h.start()
+        self.assertEqual(int(h.global_step.numpy()), 0)
+        self.assertEqual(h.local_step(1), 0)
+
+        h.run(0)
+        h.run(2)
+        h.wait_global_step(1)
+        self.assertAlmostEqual(float(h.v0.numpy()), -0.6, places=5)
+        self.assertAlmostEqual(float(h.v1.numpy()), -1.2, places=5)
+
+        h.run(1)  # late: dropped
+
+        for w in range(3):  # all stale
+            h.run(w)
+        self.assertEqual(int(h.global_step.numpy()), 1)
+        self.assertEqual(h.local_step(1), 1)
+
+        h.schedule(0)
+        time.sleep(0.5)
+        self.assertEqual(int(h.global_step.numpy()), 1)
+        h.schedule(1)
+        h.coordinator.join()
+        self.assertEqual(int(h.global_step.numpy()), 2)
+        self.assertAlmostEqual(float(h.v0.numpy()), -1.0, places=5)
+        self.assertAlmostEqual(float(h.v1.numpy()), -3.2, places=5)
+
+    def test_keras_inner_optimizer(self):
+        self._check_keras(lambda: tf.keras.optimizers.SGD(2.0))
+
+    def test_keras_legacy_inner_optimizer(self):
+        self._check_keras(lambda: tf.keras.optimizers.legacy.SGD(2.0))
+
+    def _check_keras(self, inner):
+        h = self.harness = _Harness(rta=2, total=2, num_tokens=2, inner=inner)
+        h.start()
+        h.run(0)
+        h.run(1)
+        h.wait_global_step(1)
+        self.assertAlmostEqual(float(h.v0.numpy()), -0.4, places=5)
+        self.assertAlmostEqual(float(h.v1.numpy()), -1.0, places=5)
+        np.testing.assert_allclose(
+            h.v_sparse.numpy(), [[3.0], [3.6]], rtol=1e-6
+        )
+        self.assertEqual(int(h.opt._opt.iterations.numpy()), 1)
+        self.assertEqual(int(h.opt.rounds.numpy()), 1)
+
+    def test_pass_throughs(self):
+        h = self.harness = _Harness(
+            rta=2,
+            total=2,
+            inner=lambda: tf.compat.v1.train.MomentumOptimizer(0.1, 0.9),
+        )
+        h.start()
+        h.run(0)
+        h.run(1)
+        h.wait_global_step(1)
+        self.assertEqual(h.opt.get_slot_names(), ["momentum"])
+        slot = h.opt.get_slot(h.v0, "momentum")
+        self.assertAlmostEqual(float(slot.numpy()), 0.2, places=5)
+        names = sorted(v.name for v in h.opt.variables())
+        self.assertLen(names, 3)
+        self.assertTrue(all("Momentum" in n for n in names), names)
+
+    def test_moving_averages_after_apply(self):
+        ema = tf.compat.v1.train.ExponentialMovingAverage(0.5)
+        h = self.harness = _Harness(rta=2, total=2, num_tokens=2, ema=ema)
+        h.start()
+        expected_ema_v1 = [0.0, -1.5]  # spec 1.9, resource variables
+        for phase in range(2):
+            if phase:
+                h.run(0)  # the wasted post-start step
+                h.run(1)
+            h.schedule(0)
+            h.schedule(1)
+            h.coordinator.join()
+            h.wait_global_step(phase + 1)
+            h.wait_rounds(phase + 1)
+            self.assertAlmostEqual(
+                float(ema.average(h.v1).numpy()),
+                expected_ema_v1[phase],
+                places=5,
+            )
+
+    def test_one_apply_per_round(self):
+        h = self.harness = _Harness(rta=2, total=2, num_tokens=2)
+        h.start()
+        rounds = 4
+        for _ in range(rounds):
+            h.schedule(0)
+            h.schedule(1)
+            h.coordinator.join()
+        h.wait_global_step(int(h.opt.rounds.numpy()))
+        applied = int(h.opt.rounds.numpy())
+        # Startup wastes one step per worker: at least rounds - 1 applies.
+        self.assertGreaterEqual(applied, rounds - 1)
+        self.assertEqual(int(h.global_step.numpy()), applied)
+        # Once per round: v0 moves by lr * mean(g0) per round, not per push.
+        self.assertAlmostEqual(float(h.v0.numpy()), -0.4 * applied, places=4)
+
+    def test_errors(self):
+        opt = compat_v1.SyncReplicasOptimizer(
+            tf.compat.v1.train.GradientDescentOptimizer(1.0), 1, 1
+        )
+        hook = opt.make_session_run_hook(True)
+        with self.assertRaisesRegex(
+            ValueError,
+            "^SyncReplicasOptimizer.apply_gradient should be called before "
+            "using the hook.$",
+        ):
+            hook.begin()
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^get_init_tokens_op\(\) should be called after "
+            r"apply_gradients\(\).$",
+        ):
+            opt.get_init_tokens_op()
+        with self.assertRaisesRegex(
+            ValueError, r"^Should be called after apply_gradients\(\).$"
+        ):
+            opt.get_chief_queue_runner()
+        with self.assertRaisesRegex(
+            ValueError, "^Must supply at least one variable$"
+        ):
+            opt.apply_gradients([], tf.Variable(0))
+        with self.assertRaisesRegex(
+            ValueError, "^Global step is required to check staleness$"
+        ):
+            opt.apply_gradients([(tf.constant(1.0), tf.Variable(1.0))])
+
+    def test_too_few_tokens_and_unknown_grad(self):
+        h = self.harness = _Harness(rta=3, total=1, num_tokens=1)
+        h.trace()
+        hook = h.opt.make_session_run_hook(True, num_tokens=1)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^Too few tokens to finish the first step: 1 \(given\) vs 2 "
+            r"\(needed\)$",
+        ):
+            hook.begin()
+        h.opt.get_init_tokens_op(2)  # enough
+        sparse = tf.SparseTensor([[0, 0]], [1.0], [2, 1])
+        with self.assertRaisesRegex(ValueError, "^Unknown grad type!$"):
+            h.opt.apply_gradients([(sparse, h.v_sparse)], h.global_step)
+
+
+class DifferentialTest(absltest.TestCase):
+    """The shim and TF1's real optimizer, same replica-step sequence."""
+
+    SEQUENCE = [[0], [1], [0], [1], [0, 1], [0, 1], [0, 1]]
+
+    def test_dense_matches_tf1(self):
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(HERE, "compat_v1_tf1_reference.py"),
+                json.dumps(self.SEQUENCE),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        try:
+            out, err = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.assertEqual(proc.returncode, 0, err[-3000:])
+        expected = [
+            [float(x) for x in line.split()]
+            for line in out.strip().splitlines()
+        ]
+        self.assertLen(expected, len(self.SEQUENCE))
+
+        h = _Harness(rta=2, total=2, num_tokens=2)
+        try:
+            h.start()
+            accumulator = h.opt._states[0].accumulators[0]
+            got = []
+            for phase in self.SEQUENCE:
+                for w in phase:
+                    h.schedule(w)
+                h.coordinator.join()
+                h.settle(accumulator)
+                got.append(
+                    [
+                        float(h.global_step.numpy()),
+                        float(h.v0.numpy()),
+                        float(h.v1.numpy()),
+                        float(h.local_step(0)),
+                        float(h.local_step(1)),
+                    ]
+                )
+        finally:
+            h.close()
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+        # Not vacuous: the sequence includes stale (dropped) steps.
+        self.assertEqual(expected[-1][0], 4.0)
+
+
+class ExampleTest(absltest.TestCase):
+    """examples/tf1_migration_shim.py against synchronous momentum in NumPy."""
+
+    def test_three_momentum_optimizers_match_numpy(self):
+        steps = 6
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(ROOT, "examples", "tf1_migration_shim.py"),
+                "--steps",
+                str(steps),
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        try:
+            out, err = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.assertEqual(proc.returncode, 0, err[-3000:])
+        got = json.loads(out.strip().splitlines()[-1])
+
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        try:
+            import tf1_migration_shim as example
+        finally:
+            sys.path.pop(0)
+        shards = [
+            (x.astype("float64"), y.astype("float64"))
+            for x, y in example.shards()
+        ]
+        w = {"a": np.zeros([3, 1]), "b": np.zeros([1]), "c": 0.0}
+        acc = {"a": np.zeros([3, 1]), "b": np.zeros([1]), "c": 0.0}
+        updates = steps - 1  # TF1's wasted post-start step
+        for _ in range(updates):
+            grads = []
+            for x, y in shards:
+                r = x @ w["a"] + w["b"] + w["c"] * x[:, :1] - y
+                d = 2.0 * r / len(x)
+                grads.append(
+                    {
+                        "a": x.T @ d,
+                        "b": d.sum(0),
+                        "c": float((d * x[:, :1]).sum()),
+                    }
+                )
+            for k, scale in example.SCALES.items():
+                g = np.mean([gr[k] for gr in grads], axis=0)
+                acc[k] = example.MOMENTUM * acc[k] + g
+                w[k] = w[k] - example.LR * scale * acc[k]
+        np.testing.assert_allclose(got["w_a"], w["a"], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got["w_b"], w["b"], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got["w_c"], w["c"], rtol=1e-4, atol=1e-5)
+        for key in ("global_step", "step_b", "step_c"):
+            self.assertEqual(got[key], updates)
+
+
+if __name__ == "__main__":
+    absltest.main()
