@@ -185,16 +185,24 @@ def apply(optimizer, grads_and_vars, apply_state=None) -> tf.Operation:
     else:
         _apply_new(optimizer, grads_and_vars)
     # The update kernels of the new family return None, and a lowered
-    # `tf.cond` may yield its outputs before its side effects finish. Reading
-    # every updated variable and slot afterwards (automatic control
-    # dependencies order same-resource ops) makes the step increment, and
-    # everything after it, wait for all the writes.
+    # `tf.cond` may yield its outputs before its side effects finish. A read
+    # of every updated variable and slot afterwards (automatic control
+    # dependencies order ops on the same resource) makes the step increment,
+    # and everything after it, wait for all the writes. One element is
+    # enough: a full read would copy a whole embedding every step.
     written = [v for _, v in grads_and_vars] + [
         v for v in optimizer.variables() if v is not optimizer.iterations
     ]
-    reads = [tf.identity(v.read_value()) for v in written]
+    reads = [_touch(v) for v in written]
     with tf.control_dependencies(reads):
         return optimizer.iterations.assign_add(1).op
+
+
+def _touch(variable):
+    """A read of `variable` that copies at most one row."""
+    if variable.shape.rank == 0:
+        return tf.identity(variable.read_value())
+    return variable.sparse_read([0])
 
 
 def _apply_legacy(optimizer, grads_and_vars):

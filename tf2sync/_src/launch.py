@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 from absl import app
 from absl import flags
@@ -231,9 +232,12 @@ def _serve(spec, job, index):
     )
     logging.info("Serving %s:%d at %s", job, index, server.target)
     # In-process servers cannot be stopped: exit the process on a signal.
+    # Python runs signal handlers only between bytecodes, never while the
+    # main thread waits in `server.join()`, so wait in Python instead.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: os._exit(0))
-    server.join()
+    while server is not None:  # keeps the server referenced
+        time.sleep(3600)
 
 
 def _place_devices(job):

@@ -1,0 +1,281 @@
+"""The harness's driver: subprocesses, endpoints, interleaved repeats.
+
+`Bench` starts the benchmark subprocesses (all through `procs.Registry`,
+so that each is ended by PID), sets every system up once, then interleaves
+the repeats, rotating the order each round. `Endpoint` is one system on its
+subprocess(es); `Sink` writes one JSON line per record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import procs
+
+SYSTEMS = (
+    "local",
+    "tf2sync_fit",
+    "tf2sync_loop",
+    "pss_async",
+    "pss_async_fit",
+    "tf1_sync",
+    "mwms",
+)
+PSS_SYSTEMS = ("tf2sync_fit", "tf2sync_loop", "pss_async", "pss_async_fit")
+SCENARIOS = ("main", "straggler", "scaling", "memory", "accuracy")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Sink:
+    """JSON lines to a file and stdout; keeps every record."""
+
+    def __init__(self, path):
+        self.path = path
+        self.records = []
+        open(path, "w").close()
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        line = json.dumps(record)
+        print(line, flush=True)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+
+
+class Endpoint:
+    """One system on its subprocess(es): set up once, then timed runs.
+
+    `kind` is "pss" (a key on a pss_worker child), "tf1" or "mwms" (every
+    child gets each command). A run does the same work whatever the system,
+    functions x K x B examples: PSS systems schedule `functions` functions
+    of K steps (each on one worker); `local` and `mwms` run functions / N
+    functions of K steps of N x B examples; `tf1_sync` trains until its
+    global step rose by functions x K / N (N x B examples each).
+    """
+
+    def __init__(self, name, kind, children, setup_args, workers=1):
+        self.name = name
+        self.kind = kind
+        self.children = children
+        self.setup_args = setup_args
+        self.workers = workers
+        self.failed = None
+
+    def _all(self, op, timeout, **args):
+        for child in self.children:
+            child.send(op, **args)
+        return [child.receive(timeout) for child in self.children]
+
+    def setup(self, timeout):
+        args = dict(self.setup_args)
+        if self.kind == "pss":
+            args["key"] = self.name
+        return self._all("setup", timeout, **args)[0]
+
+    def run(self, functions, k, timeout, window=False):
+        if self.kind == "pss":
+            if self.name.startswith("local"):
+                functions = max(1, functions // self.workers)
+            return self._all(
+                "run",
+                timeout,
+                key=self.name,
+                functions=functions,
+                window=window,
+            )[0]
+        if self.kind == "tf1":
+            steps = max(1, functions * k // self.workers)
+            return self._all("run", timeout, steps=steps)[0]
+        results = self._all(
+            "run", timeout, functions=max(1, functions // self.workers)
+        )
+        result = dict(results[0])
+        result["seconds"] = max(r["seconds"] for r in results)
+        result["examples_per_sec"] = round(
+            result["examples"] / result["seconds"], 1
+        )
+        return result
+
+
+class Bench:
+    """Starts subprocesses, drives the scenarios, records everything."""
+
+    def __init__(self, settings, registry, sink):
+        self.s = settings
+        self.registry = registry
+        self.sink = sink
+
+    # -- subprocesses -----------------------------------------------------
+
+    def _start(self, name, argv, env=None, protocol=True):
+        child = self.registry.start(name, argv, env=env, protocol=protocol)
+        self.sink.write({"event": "started", **child.record()})
+        return child
+
+    def _python(self, script, *args):
+        return [sys.executable, os.path.join(_HERE, script), *args]
+
+    def start_pss(
+        self, name, workers, local_workers=2, cluster_spec=None, optimizer=None
+    ):
+        args = [
+            f"--workers={workers}",
+            f"--local_workers={local_workers}",
+            f"--optimizer={optimizer or self.s.optimizer}",
+        ]
+        if cluster_spec:
+            args.append("--cluster_spec=" + json.dumps(cluster_spec))
+        return self._start(name, self._python("pss_worker.py", *args))
+
+    def start_tf1(self, workload, workers):
+        return self._start(
+            f"tf1_sync_{workload}",
+            self._python(
+                "tf1_sync_worker.py",
+                f"--workers={workers}",
+                f"--workload={workload}",
+            ),
+        )
+
+    def start_mwms(self, workload, workers):
+        ports = procs.pick_free_ports(workers)
+        cluster = {"worker": [f"{procs.LOOPBACK}:{p}" for p in ports]}
+        return [
+            self._start(
+                f"mwms_{workload}_{i}",
+                self._python(
+                    "mwms_worker.py",
+                    f"--workload={workload}",
+                    f"--optimizer={self.s.optimizer}",
+                ),
+                env={
+                    "TF_CONFIG": json.dumps(
+                        {
+                            "cluster": cluster,
+                            "task": {"type": "worker", "index": i},
+                        }
+                    )
+                },
+            )
+            for i in range(workers)
+        ]
+
+    def start_tasks(self, name, workers, env=None):
+        """ps and worker tasks (`python -m tf2sync`), and their spec."""
+        ports = procs.pick_free_ports(workers + 2)
+        addresses = [f"{procs.LOOPBACK}:{p}" for p in ports]
+        spec = {
+            "chief": addresses[:1],
+            "worker": addresses[1:-1],
+            "ps": addresses[-1:],
+        }
+        hosts = [
+            "--ps_hosts=" + ",".join(spec["ps"]),
+            "--worker_hosts=" + ",".join(spec["worker"]),
+            "--chief_host=" + spec["chief"][0],
+        ]
+        tasks = [
+            self._start(
+                f"{name}_{job}{i}",
+                self._python(
+                    "procs.py",
+                    "tf2sync",
+                    f"--job_name={job}",
+                    f"--task_index={i}",
+                    *hosts,
+                ),
+                env={"CUDA_VISIBLE_DEVICES": "", **(env or {})},
+                protocol=False,
+            )
+            for job, count in (("ps", 1), ("worker", workers))
+            for i in range(count)
+        ]
+        return spec, tasks
+
+    # -- driving ----------------------------------------------------------
+
+    def fail(self, endpoints, endpoint, error, base):
+        """Records `error` for `endpoint`.
+
+        A fatal error (no answer; or any error of a multi-process system,
+        whose peers may wait forever) also ends its subprocesses and fails
+        every system on them.
+        """
+        failing = [endpoint]
+        fatal = getattr(error, "fatal", True) or len(endpoint.children) > 1
+        if fatal:
+            self.registry.stop(endpoint.children)
+            failing += [
+                e
+                for e in endpoints
+                if e is not endpoint
+                and set(e.children) & set(endpoint.children)
+            ]
+        for other in failing:
+            if not other.failed:
+                other.failed = str(error)
+                self.sink.write(
+                    {**base, "system": other.name, "error": str(error)}
+                )
+
+    def wait_ready(self, endpoints, base):
+        for endpoint in endpoints:
+            for child in endpoint.children:
+                if endpoint.failed:
+                    break
+                try:
+                    if not getattr(child, "ready", None):
+                        child.ready = child.receive(self.s.timeout)
+                except procs.ChildError as e:
+                    self.fail(endpoints, endpoint, e, base)
+
+    def setup(self, endpoints, base):
+        self.wait_ready(endpoints, base)
+        for endpoint in endpoints:
+            if endpoint.failed:
+                continue
+            start = time.perf_counter()
+            try:
+                answer = endpoint.setup(self.s.timeout)
+            except procs.ChildError as e:
+                self.fail(endpoints, endpoint, e, base)
+                continue
+            self.sink.write(
+                {
+                    **base,
+                    "system": endpoint.name,
+                    "event": "setup",
+                    "setup_s": round(time.perf_counter() - start, 2),
+                    **(answer if isinstance(answer, dict) else {}),
+                }
+            )
+
+    def interleave(self, endpoints, functions, base, extra, window=False):
+        """Runs the repeats, rotating the order; one record per run."""
+        for repeat in range(self.s.repeats):
+            shift = repeat % len(endpoints)
+            for endpoint in endpoints[shift:] + endpoints[:shift]:
+                if endpoint.failed:
+                    continue
+                try:
+                    result = endpoint.run(
+                        functions, self.s.k, self.s.timeout, window=window
+                    )
+                except procs.ChildError as e:
+                    self.fail(endpoints, endpoint, e, base)
+                    continue
+                self.sink.write(
+                    {
+                        **base,
+                        "system": endpoint.name,
+                        "repeat": repeat,
+                        **extra.get(endpoint.name, {}),
+                        **result,
+                    }
+                )
+
+    def close(self, endpoints):
+        self.registry.stop({c for e in endpoints for c in e.children})

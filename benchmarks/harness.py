@@ -1,0 +1,268 @@
+"""Benchmarks: tf2sync against what users would run instead, in one run.
+
+Every system runs on the same machine and cluster shape (2 workers + 1 ps
+on 127.0.0.1 unless said otherwise), each in subprocesses that this harness
+starts, drives over stdin/stdout and ends by PID. Each system is built and
+warmed up once; then the repeats are interleaved (A B C, B C A, ...) so
+that machine noise hits all systems alike, and the report gives ratios of
+medians. The harness itself never imports TensorFlow.
+
+Systems (scenario `main`):
+  local          one process, no distribution, global batch N x B.
+  tf2sync_loop   tf2sync custom loop on a ClusterCoordinator, K steps/fn.
+  tf2sync_fit    tf2sync through model.fit, steps_per_execution=K.
+  pss_async      stock (asynchronous) PSS custom loop, K steps/fn.
+  pss_async_fit  stock PSS through model.fit (not in the default set).
+  tf1_sync       TF1 SyncReplicasOptimizer, graph mode, one
+                 MonitoredTrainingSession per worker thread.
+  mwms           MultiWorkerMirroredStrategy, one process per worker.
+
+Scenarios: `main` (each workload x system), `straggler` (3 workers, worker
+0 sleeps 3x its compute time per step: tf2sync with 0 and 1 backup worker
+vs stock PSS), `scaling` (tf2sync step cost with 1..4 workers on w1),
+`memory` (RSS of a subprocess ps on w3 with 1..4 workers), `accuracy`
+(time to 95 % held-out accuracy on digits, tf2sync vs stock PSS).
+
+Synchronous systems count aggregated examples only (accepted gradients x
+B); asynchronous ones count every applied step. Writes JSON lines, a
+Markdown report (targets with PASS / MISS) and, when matplotlib imports, a
+PNG plot under --output_dir (default docs/).
+
+  python benchmarks/harness.py          # the full run: ~10-13 min, 2 cores
+  python benchmarks/harness.py --smoke --output_dir=/tmp/b   # ~15 s
+  python benchmarks/harness.py --from_jsonl=docs/benchmarks.jsonl
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import driver
+import procs
+import report
+import scenarios
+from absl import app
+from absl import flags
+from driver import SCENARIOS
+from driver import SYSTEMS
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_DOCS = os.path.join(os.path.dirname(_HERE), "docs")
+
+_WORKLOADS = flags.DEFINE_list("workloads", ["w1", "w2", "w3"], "Workloads.")
+_SYSTEMS = flags.DEFINE_list(
+    "systems",
+    ["local", "tf2sync_fit", "tf2sync_loop", "pss_async", "tf1_sync", "mwms"],
+    f"Systems of the main scenario, of {', '.join(SYSTEMS)}.",
+)
+_SCENARIOS = flags.DEFINE_list(
+    "scenarios", list(SCENARIOS), f"Of {', '.join(SCENARIOS)}."
+)
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Interleaved repeats.")
+_DEFAULT_FUNCTIONS = {"w1": 60, "w2": 16, "w3": 30}
+_WORKLOADS_ALL = tuple(_DEFAULT_FUNCTIONS)
+_FUNCTIONS = flags.DEFINE_list(
+    "functions",
+    [],
+    "Timed functions of K steps per run (the work of one run: functions x "
+    "K x B examples, whatever the system), per workload (w2:8) or one int "
+    f"for all; default {_DEFAULT_FUNCTIONS} (--smoke: 3).",
+)
+_K = flags.DEFINE_integer("steps_per_function", 10, "K: steps per function.")
+_OPTIMIZER = flags.DEFINE_enum(
+    "optimizer",
+    "legacy",
+    ["legacy", "keras"],
+    "tf_keras momentum SGD family: legacy (fused kernels and lazy sparse "
+    "momentum, as TF1's MomentumOptimizer) or keras (dense momentum).",
+)
+_STRAGGLER_WORKLOAD = flags.DEFINE_string(
+    "straggler_workload", "w2", "Workload of the straggler scenario."
+)
+_STRAGGLER_FACTOR = flags.DEFINE_float(
+    "straggler_factor", 3.0, "Worker 0 sleeps this x its compute per step."
+)
+_STRAGGLER_FUNCTIONS = flags.DEFINE_integer(
+    "straggler_functions", 12, "Timed functions per straggler run."
+)
+_SCALING_WORKERS = flags.DEFINE_list(
+    "scaling_workers", ["1", "2", "3", "4"], "Worker counts (scaling)."
+)
+_MEMORY_WORKERS = flags.DEFINE_list(
+    "memory_workers", ["1", "2", "3", "4"], "Worker counts (memory)."
+)
+_ACCURACY_TARGET = flags.DEFINE_float(
+    "accuracy_target", 0.95, "Held-out accuracy to reach on digits."
+)
+_ACCURACY_EPOCHS = flags.DEFINE_integer(
+    "accuracy_epochs", 12, "Epochs per time-to-accuracy run."
+)
+_TIMEOUT = flags.DEFINE_float(
+    "timeout", 300.0, "Seconds one command to a subprocess may take."
+)
+_OUTPUT_DIR = flags.DEFINE_string(
+    "output_dir",
+    None,
+    "Where benchmarks.md, benchmarks.jsonl and img/benchmarks.png go "
+    "(default: docs/; with --smoke: a new temporary directory).",
+)
+_LOG_DIR = flags.DEFINE_string(
+    "subprocess_logs",
+    None,
+    "Subprocess logs (default: a new temporary directory).",
+)
+_SMOKE = flags.DEFINE_bool(
+    "smoke",
+    False,
+    "A few seconds of everything requested: w1, 1 repeat, 3 functions of "
+    "2 steps, scenario main (unless given explicitly).",
+)
+_FROM_JSONL = flags.DEFINE_string(
+    "from_jsonl", None, "Only rewrite the report from these JSON lines."
+)
+
+
+for _name in ("repeats", "steps_per_function", "straggler_functions"):
+    flags.register_validator(
+        _name, lambda v: v > 0, message=f"--{_name} must be positive."
+    )
+
+
+@dataclasses.dataclass
+class Settings:
+    """The run's parameters, from the flags."""
+
+    workloads: list
+    systems: list
+    scenarios: list
+    repeats: int
+    functions: dict
+    k: int
+    optimizer: str
+    timeout: float
+    straggler_workload: str
+    straggler_factor: float
+    straggler_functions: int
+    scaling_workers: list
+    memory_workers: list
+    accuracy_target: float
+    accuracy_epochs: int
+
+
+def _settings() -> Settings:
+    smoke = _SMOKE.value
+
+    def given(holder, smoke_value):
+        if smoke and not flags.FLAGS[holder.name].present:
+            return smoke_value
+        return holder.value
+
+    functions = {
+        w: 3 if smoke else _DEFAULT_FUNCTIONS[w] for w in _WORKLOADS_ALL
+    }
+    for item in _FUNCTIONS.value:
+        name, _, count = item.rpartition(":")
+        if name and name not in functions:
+            raise app.UsageError(f"--functions: unknown workload {name!r}.")
+        for w in [name] if name else list(functions):
+            functions[w] = int(count)
+    return Settings(
+        workloads=given(_WORKLOADS, ["w1"]),
+        systems=_SYSTEMS.value,
+        scenarios=given(_SCENARIOS, ["main"]),
+        repeats=given(_REPEATS, 1),
+        functions=functions,
+        k=given(_K, 2),
+        optimizer=_OPTIMIZER.value,
+        timeout=given(_TIMEOUT, 120.0),
+        straggler_workload=given(_STRAGGLER_WORKLOAD, "w1"),
+        straggler_factor=_STRAGGLER_FACTOR.value,
+        straggler_functions=given(_STRAGGLER_FUNCTIONS, 3),
+        scaling_workers=[int(n) for n in given(_SCALING_WORKERS, ["1", "2"])],
+        memory_workers=[int(n) for n in given(_MEMORY_WORKERS, ["1", "2"])],
+        accuracy_target=_ACCURACY_TARGET.value,
+        accuracy_epochs=given(_ACCURACY_EPOCHS, 2),
+    )
+
+
+def _check(settings):
+    for name, values, allowed in (
+        ("workloads", settings.workloads, _WORKLOADS_ALL),
+        ("systems", settings.systems, SYSTEMS),
+        ("scenarios", settings.scenarios, SCENARIOS),
+    ):
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise app.UsageError(
+                f"--{name}: unknown {unknown}; choose from {list(allowed)}."
+            )
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    settings = _settings()
+    _check(settings)
+    if _SMOKE.value and not _OUTPUT_DIR.value:
+        output_dir = tempfile.mkdtemp(prefix="tf2sync_bench_")
+    else:
+        output_dir = _OUTPUT_DIR.value or _DOCS
+    os.makedirs(output_dir, exist_ok=True)
+    if _FROM_JSONL.value:
+        with open(_FROM_JSONL.value) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        print("\n".join(report.write(records, output_dir)))
+        return
+    log_dir = _LOG_DIR.value or tempfile.mkdtemp(prefix="tf2sync_bench_logs_")
+    os.makedirs(log_dir, exist_ok=True)
+    sink = driver.Sink(os.path.join(output_dir, "benchmarks.jsonl"))
+    registry = procs.Registry(log_dir)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    sink.write(
+        {
+            "event": "config",
+            "command": " ".join(
+                ["python", "benchmarks/harness.py", *sys.argv[1:]]
+            ),
+            "smoke": _SMOKE.value,
+            "log_dir": log_dir,
+            "machine": report.machine(),
+            **dataclasses.asdict(settings),
+        }
+    )
+    start = time.monotonic()
+    bench = driver.Bench(settings, registry, sink)
+    try:
+        if "main" in settings.scenarios:
+            for workload in settings.workloads:
+                scenarios.scenario_main(bench, workload)
+        if "straggler" in settings.scenarios:
+            scenarios.scenario_straggler(bench)
+        if "scaling" in settings.scenarios:
+            scenarios.scenario_scaling(bench)
+        if "memory" in settings.scenarios:
+            scenarios.scenario_memory(bench)
+        if "accuracy" in settings.scenarios:
+            scenarios.scenario_accuracy(bench)
+    finally:
+        registry.stop_all()
+        sink.write(
+            {
+                "event": "processes",
+                "started": [c.record() for c in registry.children],
+                "alive": registry.alive(),
+                "seconds": round(time.monotonic() - start, 1),
+            }
+        )
+        for path in report.write(sink.records, output_dir):
+            print(f"wrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,152 @@
+"""Benchmark subprocess: the chief of a PSS cluster, serving the harness.
+
+Runs the systems of the ParameterServerStrategy family (`local`,
+`tf2sync_loop`, `tf2sync_fit`, `pss_async`, `pss_async_fit`) on one
+cluster: an in-process one on 127.0.0.1 (default), or the ps and worker
+tasks the harness started as subprocesses (`--cluster_spec`, so that it can
+read the ps's memory). `local` runs in a process of its own, with no
+cluster (`--workers=0`): connecting to one moves the default device.
+Commands (see `procs.serve`):
+
+* `setup(key, system, workload, k, **options)` builds and warms up a
+  runner (options: `rta`, `total` and `delay_factor` for loops; `epochs`
+  and `target` for workload `digits`, see accuracy.py);
+* `run(key, functions, window=False)` times it;
+* `compute(workload)` times one local step at the per-worker batch.
+
+Started by benchmarks/harness.py, not by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import procs  # noqa: E402
+
+procs.die_with_parent()
+
+import accuracy  # noqa: E402
+import systems  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import workloads  # noqa: E402
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+import tf2sync  # noqa: E402
+
+_WORKERS = flags.DEFINE_integer(
+    "workers", 2, "Worker tasks (0: no cluster, for the `local` system)."
+)
+_LOCAL_WORKERS = flags.DEFINE_integer(
+    "local_workers", 2, "With --workers=0: `local` trains on this many x B."
+)
+_CLUSTER_SPEC = flags.DEFINE_string(
+    "cluster_spec",
+    None,
+    "JSON cluster dict (chief, worker, ps) of tasks already started; "
+    "default: start an in-process cluster.",
+)
+_OPTIMIZER = flags.DEFINE_enum(
+    "optimizer", "legacy", ["legacy", "keras"], "Momentum SGD family."
+)
+
+
+class _Server:
+    """The runners of this process, by key."""
+
+    def __init__(self, resolver, workers, kind):
+        self.resolver = resolver
+        self.workers = workers
+        self.kind = kind
+        self.runners = {}
+        self.compute_s = {}
+
+    def compute(self, workload):
+        if workload not in self.compute_s:
+            self.compute_s[workload] = workloads.compute_seconds(
+                workload, self.kind
+            )
+        return {"seconds": self.compute_s[workload]}
+
+    def _strategy(self, sync, rta=None, total=None):
+        if not sync:
+            return tf.distribute.experimental.ParameterServerStrategy(
+                self.resolver
+            )
+        return tf2sync.SyncParameterServerStrategy(
+            self.resolver,
+            replicas_to_aggregate=rta or self.workers,
+            total_num_replicas=total or self.workers,
+        )
+
+    def setup(self, key, system, workload, k, **options):
+        """Builds the runner `key` of `system`; see the module docstring."""
+        sync = system.startswith("tf2sync")
+        answer = {"key": key}
+        if system == "local":
+            runner = systems.LocalRunner(workload, self.workers, k, self.kind)
+        elif workload == "digits":
+            runner = accuracy.AccuracyRunner(
+                lambda: self._strategy(sync),
+                sync=sync,
+                k=k,
+                epochs=options["epochs"],
+                target=options["target"],
+            )
+        elif system.endswith("_fit"):
+            strategy = self._strategy(sync)
+            runner = systems.FitRunner(
+                strategy, workload, k, self.kind, sync=sync
+            )
+        else:
+            delay_s = 0.0
+            if options.get("delay_factor"):
+                compute = self.compute(workload)["seconds"]
+                delay_s = options["delay_factor"] * compute
+                answer["compute_s"] = compute
+            strategy = self._strategy(
+                sync, options.get("rta"), options.get("total")
+            )
+            runner = systems.LoopRunner(
+                strategy, workload, k, self.kind, sync=sync, delay_s=delay_s
+            )
+            answer["delay_s"] = delay_s
+        self.runners[key] = runner
+        return answer
+
+    def run(self, key, functions, window=False):
+        return self.runners[key].run(functions, window=window)
+
+
+def main(argv):
+    del argv
+    tf.get_logger().setLevel("ERROR")
+    if _CLUSTER_SPEC.value:
+        spec = json.loads(_CLUSTER_SPEC.value)
+        for address in spec["ps"] + spec["worker"]:
+            procs.wait_for_port(address, 120.0)
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(spec),
+            task_type="chief",
+            task_id=0,
+            rpc_layer="grpc",
+        )
+        workers = len(spec["worker"])
+    elif _WORKERS.value:
+        workers = _WORKERS.value
+        resolver = tf2sync.testing.local_cluster(workers, 1)
+    else:  # `local` only: a cluster would move its variables off localhost
+        workers, resolver = _LOCAL_WORKERS.value, None
+    server = _Server(resolver, workers, _OPTIMIZER.value)
+    procs.serve(
+        {"setup": server.setup, "run": server.run, "compute": server.compute},
+        ready={"workers": workers},
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,247 @@
+"""The benchmark report: targets, Markdown and a plot (no TensorFlow).
+
+`write()` makes `benchmarks.md` and, when matplotlib imports,
+`img/benchmarks.png` from the harness's JSON records. Every ratio is a
+ratio of medians of the same run's interleaved repeats.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+
+import sections
+from sections import EMBEDDING_MB
+from sections import fmt
+from sections import median
+from sections import ratio
+from sections import table
+
+# (workload, system, baseline, at least)
+THROUGHPUT_TARGETS = (
+    ("w1", "tf2sync_loop", "tf1_sync", 1.5),
+    ("w1", "tf2sync_fit", "tf1_sync", 1.0),
+    ("w2", "tf2sync_loop", "local", 0.95),
+    ("w2", "tf2sync_fit", "local", 0.95),
+    ("w3", "tf2sync_loop", "tf1_sync", 1.0),
+    ("w3", "tf2sync_fit", "tf1_sync", 1.0),
+)
+STRAGGLER_KEEP = 0.9
+# ps state growth per added worker, as a share of the embedding's size: a
+# dense per-worker buffer of the table would add 1.0.
+MEMORY_PER_WORKER = 0.25
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (
+                    line.split(":", 1)[1].strip()
+                    for line in f
+                    if line.startswith("model name")
+                ),
+                model,
+            )
+    except OSError:
+        pass
+
+    def version(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": model,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "tensorflow": version("tensorflow"),
+        "tf_keras": version("tf-keras"),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def _row(target, value, required, ok, spec=".2f"):
+    if value is None:
+        result = "n/a (not measured)"
+    else:
+        result = "PASS" if ok(value) else "MISS"
+    return {
+        "target": target,
+        "measured": fmt(value, spec),
+        "required": required,
+        "result": result,
+    }
+
+
+def targets(records) -> list[dict]:
+    """Each target, its measured value and PASS / MISS / n/a."""
+    found = sections.rates(records, "main")
+    rows = []
+    for workload, system, base, least in THROUGHPUT_TARGETS:
+        value = ratio(
+            median(found.get((workload, system))),
+            median(found.get((workload, base))),
+        )
+        rows.append(
+            _row(
+                f"{workload} {system} / {base}",
+                value,
+                f">= {least:.2f}",
+                lambda v, least=least: v >= least,
+            )
+        )
+    kept = sections.straggler_kept(records).get("tf2sync_b1")
+    rows.append(
+        _row(
+            "straggler: tf2sync 1 backup, with / without the straggler",
+            kept,
+            f">= {STRAGGLER_KEEP:.2f}",
+            lambda v: v >= STRAGGLER_KEEP,
+        )
+    )
+    growth, peak = sections.memory_summary(records)
+    most = MEMORY_PER_WORKER * EMBEDDING_MB
+    rows.append(
+        _row(
+            "ps memory: tf2sync state growth per added worker, beyond stock "
+            "PSS's (MB)",
+            growth,
+            f"<= {most:.1f} ({MEMORY_PER_WORKER:.0%} of the embedding)",
+            lambda v: v <= most,
+            ".1f",
+        )
+    )
+    rows.append(
+        _row(
+            "ps memory: tf2sync largest per-step peak (MB)",
+            peak,
+            f"< {EMBEDDING_MB:.1f} (the embedding's size)",
+            lambda v: v < EMBEDDING_MB,
+            ".1f",
+        )
+    )
+    return rows
+
+
+def plot(records, path) -> str | None:
+    """Draws the main scenario's medians; returns why not, or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install matplotlib)"
+    found = sections.rates(records, "main")
+    workloads = [w for w in sections.WORKLOADS if any(k[0] == w for k in found)]
+    if not workloads:
+        return "no throughput measured"
+    fig, axes = plt.subplots(
+        1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False
+    )
+    for ax, workload in zip(axes[0], workloads):
+        systems = [s for s in sections.SYSTEM_TEXT if (workload, s) in found]
+        values = [found[(workload, s)] for s in systems]
+        mids = [median(v) for v in values]
+        low = [m - min(v) for m, v in zip(mids, values)]
+        high = [max(v) - m for m, v in zip(mids, values)]
+        colors = ["C0" if s.startswith("tf2sync") else "C7" for s in systems]
+        ax.bar(systems, mids, yerr=[low, high], color=colors, capsize=3)
+        ax.set_title(
+            f"{workload}: {sections.WORKLOAD_TEXT[workload]}", fontsize=9
+        )
+        ax.set_yscale("log")
+        ax.set_ylabel("examples/s, log scale (median, min-max)")
+        ax.tick_params(axis="x", labelrotation=45, labelsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return None
+
+
+def _header(config, done):
+    info = config.get("machine", {})
+    smoke = " **Smoke run: not a measurement.**" if config.get("smoke") else ""
+    return [
+        "# Benchmarks",
+        "",
+        f"Measured {info.get('date', '?')} with `{config.get('command', '?')}`"
+        f" ({done.get('seconds', '?')} s) on {info.get('cpus', '?')} CPUs "
+        f"({info.get('cpu', '?')}; load average at start "
+        f"{info.get('load_average', '?')}), Python {info.get('python', '?')},"
+        f" TensorFlow {info.get('tensorflow', '?')}, tf_keras "
+        f"{info.get('tf_keras', '?')}.{smoke}",
+        "",
+        "Every system runs on this one machine, on a cluster of 2 workers "
+        "and 1 ps on 127.0.0.1 (unless said otherwise), in subprocesses of "
+        "its own; each is built and warmed up once, then the "
+        f"{config.get('repeats', '?')} repeats are interleaved (the order "
+        "rotates each round) so that machine noise hits all systems alike. "
+        "Ratios are ratios of medians of the same run. A run is the same "
+        f"work for every system: functions x K x B examples (K = "
+        f"{config.get('k', '?')}, functions {config.get('functions', '?')}). "
+        "Synchronous systems count aggregated examples only (accepted "
+        "gradients x B; TF1: N x B per global step); asynchronous ones "
+        "count every applied step. Optimizer: momentum SGD 0.01 / 0.9, "
+        f"`{config.get('optimizer', '?')}` (`legacy`: tf_keras's legacy SGD, "
+        "fused kernels and lazy sparse momentum like TF1's "
+        "MomentumOptimizer; `keras`: `tf.keras.optimizers.SGD`).",
+        "",
+    ]
+
+
+def render(records, image_note) -> str:
+    """The Markdown report."""
+    config = next((r for r in records if r.get("event") == "config"), {})
+    done = next((r for r in records if r.get("event") == "processes"), {})
+    lines = _header(config, done) + ["## Targets", ""]
+    lines += table(
+        ["target", "measured", "required", "result"],
+        [list(t.values()) for t in targets(records)],
+    )
+    lines += ["", "## Throughput (2 workers + 1 ps)", ""]
+    lines += sections.systems_section(records)
+    lines += sections.main_section(records) + [image_note, ""]
+    for title, section in (
+        ("Straggler", sections.straggler_section(records)),
+        ("Scaling", sections.scaling_section(records)),
+        ("ps memory", sections.memory_section(records)),
+        ("Time to accuracy", sections.accuracy_section(records)),
+    ):
+        if section:
+            lines += [f"## {title}", "", *section]
+    alive = done.get("alive")
+    lines += [
+        "## Reproduce",
+        "",
+        f"    {config.get('command', 'python benchmarks/harness.py')}",
+        "",
+        "Raw results: `benchmarks.jsonl` beside this file. Subprocesses "
+        f"started: {len(done.get('started', []))}, left running: "
+        f"{len(alive) if alive is not None else '?'}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write(records, output_dir) -> list[str]:
+    """Writes benchmarks.md (and img/benchmarks.png); returns the paths."""
+    image = os.path.join(output_dir, "img", "benchmarks.png")
+    error = plot(records, image)
+    note = (
+        f"(No plot: {error}.)"
+        if error
+        else ("![Throughput by system](img/benchmarks.png)")
+    )
+    path = os.path.join(output_dir, "benchmarks.md")
+    with open(path, "w") as f:
+        f.write(render(records, note))
+    return [path] + ([] if error else [image])

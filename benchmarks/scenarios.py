@@ -1,0 +1,247 @@
+"""The benchmark scenarios, each on subprocesses that `driver.Bench` starts.
+
+* `main`: each requested system on one workload, 2 workers + 1 ps.
+* `straggler`: 3 workers, worker 0 sleeping `straggler_factor` x its
+  compute time per step: tf2sync with 0 and 1 backup worker, stock PSS.
+* `scaling`: the step cost of tf2sync's custom loop with 1..4 workers (w1).
+* `memory`: the RSS of a ps running as its own process (w3), 1..4 workers.
+* `accuracy`: time to a held-out accuracy on digits, tf2sync vs stock PSS.
+"""
+
+from __future__ import annotations
+
+import time
+
+import procs
+from driver import PSS_SYSTEMS
+from driver import Endpoint
+
+MEMORY_FUNCTIONS = 10  # timed functions per memory cell (peaks show at once)
+
+
+def scenario_main(bench, workload, workers=2):
+    """Each requested system on `workload`, 2 workers, interleaved."""
+    s = bench.s
+    base = {
+        "scenario": "main",
+        "workload": workload,
+        "workers": workers,
+        "steps_per_function": s.k,
+        "functions": s.functions[workload],
+    }
+    common = {"workload": workload, "k": s.k}
+    endpoints = []
+    pss = [x for x in s.systems if x in PSS_SYSTEMS]
+    if pss:
+        child = bench.start_pss(f"pss_{workload}", workers)
+        endpoints += [
+            Endpoint(x, "pss", [child], {"system": x, **common}, workers)
+            for x in pss
+        ]
+    if "local" in s.systems:
+        child = bench.start_pss(f"local_{workload}", 0, local_workers=workers)
+        endpoints.append(
+            Endpoint(
+                "local", "pss", [child], {"system": "local", **common}, workers
+            )
+        )
+    if "tf1_sync" in s.systems:
+        child = bench.start_tf1(workload, workers)
+        endpoints.append(
+            Endpoint("tf1_sync", "tf1", [child], {"steps": 2 * s.k}, workers)
+        )
+    if "mwms" in s.systems:
+        children = bench.start_mwms(workload, workers)
+        endpoints.append(
+            Endpoint("mwms", "mwms", children, {"k": s.k}, workers)
+        )
+    endpoints.sort(key=lambda e: s.systems.index(e.name))
+    try:
+        bench.setup(endpoints, base)
+        bench.interleave(endpoints, s.functions[workload], base, {})
+    finally:
+        bench.close(endpoints)
+
+
+def scenario_straggler(bench, workers=3):
+    """tf2sync with 0 and 1 backup worker, and stock PSS, +- a straggler."""
+    s = bench.s
+    workload = s.straggler_workload
+    base = {
+        "scenario": "straggler",
+        "workload": workload,
+        "workers": workers,
+        "steps_per_function": s.k,
+        "functions": s.straggler_functions,
+    }
+    child = bench.start_pss("pss_straggler", workers)
+    cells = [
+        ("tf2sync_b0", "tf2sync_loop", workers, workers),
+        ("tf2sync_b1", "tf2sync_loop", workers - 1, workers),
+        ("pss_async", "pss_async", None, None),
+    ]
+    endpoints, extra = [], {}
+    for label, system, rta, total in cells:
+        for straggler in (False, True):
+            name = label + ("_straggler" if straggler else "")
+            factor = s.straggler_factor if straggler else 0.0
+            args = {"system": system, "workload": workload, "k": s.k}
+            args.update(rta=rta, total=total, delay_factor=factor)
+            endpoints.append(Endpoint(name, "pss", [child], args, workers))
+            extra[name] = {
+                "config": label,
+                "straggler": straggler,
+                "replicas_to_aggregate": rta,
+                "total_num_replicas": total,
+            }
+    try:
+        bench.setup(endpoints, base)
+        bench.interleave(
+            endpoints, s.straggler_functions, base, extra, window=True
+        )
+    finally:
+        bench.close(endpoints)
+
+
+def scenario_scaling(bench, workload="w1"):
+    """The step cost of tf2sync's custom loop with 1..4 workers."""
+    s = bench.s
+    base = {
+        "scenario": "scaling",
+        "workload": workload,
+        "steps_per_function": s.k,
+        "functions": s.functions[workload],
+    }
+    endpoints, extra = [], {}
+    for n in s.scaling_workers:
+        child = bench.start_pss(f"pss_scaling_{n}w", n)
+        name = f"tf2sync_loop_{n}w"
+        args = {"system": "tf2sync_loop", "workload": workload, "k": s.k}
+        endpoints.append(Endpoint(name, "pss", [child], args, n))
+        extra[name] = {"config": "tf2sync_loop", "workers": n}
+    try:
+        bench.setup(endpoints, base)
+        bench.interleave(endpoints, s.functions[workload], base, extra)
+    finally:
+        bench.close(endpoints)
+
+
+# So that the ps's RSS follows what it holds and a transient buffer shows in
+# its peak: TF's plain CPU allocator (oneDNN's caches freed buffers in a BFC
+# pool), and glibc mmaps allocations from 128 kB up and unmaps them when
+# freed (by default, freed buffers stay in the heap).
+_MEMORY_ENV = {
+    "TF_ENABLE_ONEDNN_OPTS": "0",
+    "MALLOC_MMAP_THRESHOLD_": "131072",
+    "MALLOC_TRIM_THRESHOLD_": "131072",
+    "MALLOC_ARENA_MAX": "2",
+}
+
+
+def scenario_memory(bench, workload="w3"):
+    """RSS of a subprocess ps on w3, tf2sync with 1..4 workers.
+
+    Then stock PSS with the same optimizer, with the fewest and the most
+    workers (the reference), and a control whose ps does hold dense
+    per-step buffers of the embedding's size: stock PSS with
+    `tf.keras.optimizers.SGD`, whose momentum rewrites the whole table every
+    step.
+    """
+    s = bench.s
+    fewest, most = min(s.memory_workers), max(s.memory_workers)
+    cells = [("tf2sync_loop", n, s.optimizer) for n in s.memory_workers]
+    cells += [("pss_async", n, s.optimizer) for n in sorted({fewest, most})]
+    cells.append(("pss_async", most, "keras"))
+    for system, n, kind in cells:
+        base = {
+            "scenario": "memory",
+            "workload": workload,
+            "workers": n,
+            "optimizer": kind,
+            "steps_per_function": s.k,
+            "functions": min(s.functions[workload], MEMORY_FUNCTIONS),
+        }
+        name = f"memory_{system}_{kind}_{n}w"
+        spec, tasks = bench.start_tasks(name, n, env=_MEMORY_ENV)
+        chief = bench.start_pss(name, n, cluster_spec=spec, optimizer=kind)
+        args = {"system": system, "workload": workload, "k": s.k}
+        endpoint = Endpoint(system, "pss", [chief], args, n)
+        try:
+            _measure_memory(bench, endpoint, tasks[0].pid, base)
+        except (procs.ChildError, OSError) as e:
+            bench.fail([endpoint], endpoint, e, base)
+        finally:
+            bench.registry.stop([chief, *tasks])
+
+
+def _measure_memory(bench, endpoint, ps_pid, base):
+    s = bench.s
+    bench.wait_ready([endpoint], base)
+    if endpoint.failed:
+        return
+    idle = _settled(ps_pid)
+    bench.setup([endpoint], base)
+    if endpoint.failed:
+        return
+    state = procs.memory_kb(ps_pid)
+    reset = procs.reset_peak(ps_pid)
+    functions = min(s.functions[base["workload"]], MEMORY_FUNCTIONS)
+    result = endpoint.run(functions, s.k, s.timeout)
+    after = procs.memory_kb(ps_pid)
+    bench.sink.write(
+        {
+            **base,
+            "system": endpoint.name,
+            "ps_pid": ps_pid,
+            "rss_idle_kb": idle["VmRSS"],
+            "anon_idle_kb": idle.get("RssAnon"),
+            "rss_state_kb": state["VmRSS"],
+            "anon_state_kb": state.get("RssAnon"),
+            "hwm_run_kb": after["VmHWM"],
+            "rss_after_kb": after["VmRSS"],
+            "anon_after_kb": after.get("RssAnon"),
+            "peak_reset": reset,
+            **result,
+        }
+    )
+
+
+def _settled(pid, seconds=1.0, slack_kb=64, most=15.0):
+    """memory_kb(pid) once RssAnon has moved < slack_kb for `seconds`."""
+    deadline = time.monotonic() + most
+    last = procs.memory_kb(pid)
+    while time.monotonic() < deadline:
+        time.sleep(seconds)
+        now = procs.memory_kb(pid)
+        if abs(now.get("RssAnon", 0) - last.get("RssAnon", 0)) < slack_kb:
+            return now
+        last = now
+    return last
+
+
+def scenario_accuracy(bench, workers=2):
+    """Time to accuracy on digits (accuracy.py), fresh models each repeat."""
+    s = bench.s
+    base = {
+        "scenario": "accuracy",
+        "workload": "digits",
+        "workers": workers,
+        "steps_per_function": s.k,
+    }
+    child = bench.start_pss("pss_accuracy", workers)
+    options = {"epochs": s.accuracy_epochs, "target": s.accuracy_target}
+    endpoints = [
+        Endpoint(
+            name,
+            "pss",
+            [child],
+            {"system": name, "workload": "digits", "k": s.k, **options},
+            workers,
+        )
+        for name in ("tf2sync_fit", "pss_async_fit")
+    ]
+    try:
+        bench.setup(endpoints, base)
+        bench.interleave(endpoints, 0, base, {})
+    finally:
+        bench.close(endpoints)

@@ -1,0 +1,331 @@
+"""Sections of the benchmark report, from the harness's JSON records.
+
+Each `*_section(records)` returns Markdown lines (none when its scenario did
+not run). Every ratio is a ratio of medians of the same run. No TensorFlow.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+WORKLOADS = ("w1", "w2", "w3")
+WORKLOAD_TEXT = {
+    "w1": "MLP 32-64-10, batch 32/worker",
+    "w2": "CNN on 32x32x3, batch 64/worker",
+    "w3": "Embedding 100,000 x 32 (20 ids), batch 128/worker",
+}
+SYSTEM_TEXT = {
+    "local": "one process, no distribution, global batch N x B",
+    "tf2sync_fit": "tf2sync, `model.fit`, steps_per_execution=K",
+    "tf2sync_loop": "tf2sync, custom loop, K steps per scheduled function",
+    "pss_async": "stock ParameterServerStrategy (async), custom loop",
+    "pss_async_fit": "stock ParameterServerStrategy (async), `model.fit`",
+    "tf1_sync": "TF1 `SyncReplicasOptimizer`, graph mode, one "
+    "MonitoredTrainingSession per worker thread",
+    "mwms": "MultiWorkerMirroredStrategy, one process per worker",
+}
+EMBEDDING_MB = 100_000 * 32 * 4 / 1e6
+
+
+def runs(records, scenario):
+    """The records of `scenario`'s timed runs."""
+    return [
+        r
+        for r in records
+        if r.get("scenario") == scenario and "examples_per_sec" in r
+    ]
+
+
+def rates(records, scenario):
+    """{(workload, system): [examples/s of each run]}."""
+    found = {}
+    for r in runs(records, scenario):
+        found.setdefault((r["workload"], r["system"]), []).append(
+            r["examples_per_sec"]
+        )
+    return found
+
+
+def median(values):
+    values = [v for v in values or [] if v is not None]
+    return statistics.median(values) if values else None
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def fmt(value, spec=",.0f"):
+    return "n/a" if value is None else format(value, spec)
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def systems_section(records) -> list[str]:
+    ran = {r.get("system") for r in records if r.get("scenario") == "main"}
+    rows = [[f"`{k}`", v] for k, v in SYSTEM_TEXT.items() if k in ran]
+    return table(["system", "what"], rows) + [""] if rows else []
+
+
+def main_section(records) -> list[str]:
+    found = rates(records, "main")
+    lines = []
+    for workload in WORKLOADS:
+        failed = [
+            r
+            for r in records
+            if "error" in r
+            and r.get("scenario") == "main"
+            and r.get("workload") == workload
+        ]
+        systems = [s for s in SYSTEM_TEXT if (workload, s) in found]
+        if not systems and not failed:
+            continue
+        tf1 = median(found.get((workload, "tf1_sync")))
+        pss = median(found.get((workload, "pss_async")))
+        rows = []
+        for system in systems:
+            values = found[(workload, system)]
+            mid = median(values)
+            rows.append(
+                [
+                    f"`{system}`",
+                    fmt(mid),
+                    f"{min(values):,.0f} - {max(values):,.0f}",
+                    len(values),
+                    fmt(ratio(mid, tf1), ".2f"),
+                    fmt(ratio(mid, pss), ".2f"),
+                ]
+            )
+        for r in failed:
+            rows.append([f"`{r['system']}`", "error", r["error"][:160], 0])
+        header = ["system", "median ex/s", "min - max", "runs"]
+        header += ["vs tf1_sync", "vs pss_async"]
+        lines += [f"### {workload}: {WORKLOAD_TEXT[workload]}", ""]
+        lines += table(header, rows) + [""]
+    return lines
+
+
+def _by_straggler(records):
+    by = {}
+    for r in runs(records, "straggler"):
+        key = (r["config"], r["straggler"])
+        by.setdefault(key, []).append(r["examples_per_sec"])
+    return by
+
+
+def straggler_kept(records):
+    """{config: median with the straggler / median without}."""
+    by = _by_straggler(records)
+    return {
+        c: ratio(median(by.get((c, True))), median(by.get((c, False))))
+        for c, _ in by
+    }
+
+
+def straggler_section(records) -> list[str]:
+    by = _by_straggler(records)
+    if not by:
+        return []
+    setups = [
+        r
+        for r in records
+        if r.get("scenario") == "straggler" and r.get("event") == "setup"
+    ]
+    delay = max((r.get("delay_s", 0) for r in setups), default=0)
+    compute = max((r.get("compute_s", 0) for r in setups), default=0)
+    kept = straggler_kept(records)
+    async_slow = median(by.get(("pss_async", True)))
+    dropped = {}
+    for r in runs(records, "straggler"):
+        if r.get("pushes"):
+            key = (r["config"], r["straggler"])
+            share = r.get("stale_dropped", 0) / r["pushes"]
+            dropped.setdefault(key, []).append(share)
+    rows = [
+        [
+            config,
+            fmt(median(by.get((config, False)))),
+            fmt(median(by.get((config, True)))),
+            fmt(kept.get(config), ".2f"),
+            fmt(ratio(median(by.get((config, True))), async_slow), ".2f"),
+            " / ".join(
+                fmt(median(dropped.get((config, s))), ".0%")
+                for s in (False, True)
+            ),
+        ]
+        for config in ("tf2sync_b0", "tf2sync_b1", "pss_async")
+    ]
+    first = runs(records, "straggler")[0]
+    header = ["configuration", "no straggler ex/s", "straggler ex/s"]
+    header += ["kept", "vs pss_async (straggler)"]
+    header.append("stale pushes dropped (without / with)")
+    return [
+        f"{first['workers']} workers, {first['workload']}; worker 0 sleeps "
+        f"{delay * 1e3:.1f} ms per step ({ratio(delay, compute) or 0:.1f} x "
+        f"its compute alone, {compute * 1e3:.1f} ms). `tf2sync_b0`: "
+        "replicas_to_aggregate = total = 3; `tf2sync_b1`: 2 of 3 (one backup "
+        "worker); *kept*: with / without the straggler. Rates are taken "
+        "between 20 % and 80 % of each run's gradients (no start, no tail). "
+        "All workers share this machine's cores: a sleeping worker frees "
+        "CPU for the others, which favours every configuration that does "
+        "not wait for it more than it would on separate machines.",
+        "",
+        *table(header, rows),
+        "",
+    ]
+
+
+def scaling_section(records) -> list[str]:
+    per = {}
+    for r in runs(records, "scaling"):
+        ms = 1e3 * r["seconds"] / max(1, r["steps"])
+        per.setdefault(r["workers"], []).append((ms, r["examples_per_sec"]))
+    if not per:
+        return []
+    base = median([ms for ms, _ in per[min(per)]])
+    rows = []
+    for n in sorted(per):
+        ms = median([m for m, _ in per[n]])
+        rows.append(
+            [
+                n,
+                fmt(ms, ".2f"),
+                fmt(median([e for _, e in per[n]])),
+                fmt(ratio(ms, base), ".2f"),
+            ]
+        )
+    header = ["workers", "median ms / sync step", "median ex/s"]
+    header.append(f"step cost vs {min(per)} worker(s)")
+    return [
+        "tf2sync custom loop on w1, replicas_to_aggregate = total = workers;"
+        " a step is one synchronous update (N gradients), all workers on "
+        "this machine.",
+        "",
+        *table(header, rows),
+        "",
+    ]
+
+
+def _memory_rows(records):
+    return [
+        r
+        for r in records
+        if r.get("scenario") == "memory" and "rss_state_kb" in r
+    ]
+
+
+def _state_mb(r):
+    if r.get("anon_state_kb") is not None:  # allocations only, no code
+        return (r["anon_state_kb"] - r["anon_idle_kb"]) / 1e3
+    return (r["rss_state_kb"] - r["rss_idle_kb"]) / 1e3
+
+
+def _peak_mb(r):
+    return (r["hwm_run_kb"] - r["rss_state_kb"]) / 1e3
+
+
+def _growth_per_worker(rows):
+    rows = sorted(rows, key=lambda r: r["workers"])
+    added = rows[-1]["workers"] - rows[0]["workers"] if rows else 0
+    if not added:
+        return None
+    return (_state_mb(rows[-1]) - _state_mb(rows[0])) / added
+
+
+def memory_summary(records):
+    """tf2sync's (state growth per added worker beyond stock PSS's, largest
+    per-step peak), in MB."""
+    found = _memory_rows(records)
+    ours = [r for r in found if r["system"] == "tf2sync_loop"]
+    kind = ours[0]["optimizer"] if ours else None
+    stock = [
+        r
+        for r in found
+        if r["system"] == "pss_async" and r["optimizer"] == kind
+    ]
+    growth = _growth_per_worker(ours)
+    if growth is not None:
+        growth -= _growth_per_worker(stock) or 0.0
+    return growth, max((_peak_mb(r) for r in ours), default=None)
+
+
+def memory_section(records) -> list[str]:
+    found = _memory_rows(records)
+    if not found:
+        return []
+    rows = [
+        [
+            r["system"],
+            r["workers"],
+            r["optimizer"],
+            fmt(r["rss_idle_kb"] / 1e3, ".1f"),
+            fmt(_state_mb(r), ".1f"),
+            fmt(_peak_mb(r), ".1f") + ("" if r["peak_reset"] else " (*)"),
+        ]
+        for r in found
+    ]
+    header = ["system", "workers", "optimizer", "ps RSS idle MB"]
+    header += ["state MB", "per-step peak MB"]
+    return [
+        f"w3; the ps is a process of its own (`python -m tf2sync "
+        f"--job_name=ps`, run with TF_ENABLE_ONEDNN_OPTS=0 and glibc "
+        f"mmapping every buffer from 128 kB up, so that its RSS follows what "
+        f"it holds). The embedding is {EMBEDDING_MB:.1f} MB, its momentum "
+        "slot as much again. *state*: anonymous RSS (allocations, not "
+        "code pages) after setup and warm-up minus the same before the "
+        "chief connected (variables, slots, accumulators, functions). "
+        "*per-step peak*: peak RSS during the timed run minus "
+        "RSS before it (peak reset through /proc/PID/clear_refs; (*) where "
+        "that failed). Stock PSS with the same optimizer is the reference "
+        "(the target compares tf2sync's state growth per added worker with "
+        "its); "
+        "with `keras` (`tf.keras.optimizers.SGD`, whose momentum rewrites "
+        "the whole table every step) it is the control: what dense "
+        "per-step buffers of the embedding's size look like here.",
+        "",
+        *table(header, rows),
+        "",
+    ]
+
+
+def accuracy_section(records) -> list[str]:
+    found = {}
+    for r in runs(records, "accuracy"):
+        found.setdefault(r["system"], []).append(r)
+    if not found:
+        return []
+    target = next(iter(found.values()))[0]["target"]
+    rows = []
+    for system, rs in found.items():
+        epoch_s = [
+            b[0] - a[0] for r in rs for a, b in zip(r["curve"], r["curve"][1:])
+        ]
+        rows.append(
+            [
+                f"`{system}`",
+                fmt(median([r["epochs_to_target"] for r in rs]), ".1f"),
+                fmt(median([r["seconds_to_target"] for r in rs]), ".2f"),
+                fmt(median(epoch_s), ".3f"),
+                fmt(median([r["final_accuracy"] for r in rs]), ".4f"),
+                f"{len(rs)} ({sum(r['epochs_to_target'] is None for r in rs)}"
+                " missed)",
+            ]
+        )
+    header = ["system", f"epochs to {target}", f"seconds to {target}"]
+    header += ["s / epoch (after the 1st)", "final accuracy", "runs"]
+    epochs = len(rs[0]["curve"])
+    return [
+        "scikit-learn digits (the launcher's default job: conv net, "
+        "1,500 training and 297 held-out images), `model.fit`, 2 workers, "
+        "batch 32 per worker, legacy momentum SGD 0.05 / 0.9, "
+        f"{epochs} epochs of 1,500 examples; held-out accuracy after each "
+        "epoch, off the clock. Seconds include the first epoch's one-off "
+        "tracing (larger for tf2sync); medians over the repeats.",
+        "",
+        *table(header, rows),
+        "",
+    ]

@@ -1,0 +1,257 @@
+"""Runners of the ParameterServerStrategy family, for one chief process.
+
+Each runner is built once (model, optimizer, traced functions, a warm-up)
+and then timed any number of times with `run(functions)`, so that the
+harness can interleave repeats of several systems. A run returns examples,
+seconds and examples/s; synchronous systems count only aggregated
+gradients (accepted pushes x per-worker batch), asynchronous ones every
+applied step.
+
+* `LocalRunner`: one process, no distribution, global batch N x B.
+* `LoopRunner`: a `ClusterCoordinator` custom loop, K steps per scheduled
+  function: stock asynchronous PSS, or tf2sync (`sync=True`).
+* `FitRunner`: `model.fit` with `steps_per_execution=K`, timed from
+  `on_train_begin` to `on_train_end`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import tensorflow as tf  # noqa: E402
+import workloads  # noqa: E402
+
+import tf2sync  # noqa: E402
+
+WARMUP_FUNCTIONS = 4
+_POLL_SECONDS = 0.02
+_worker_index = tf.distribute.coordinator.experimental_get_current_worker_index
+
+
+def _result(examples, seconds, **extra) -> dict:
+    return {
+        "examples": int(examples),
+        "seconds": round(seconds, 4),
+        "examples_per_sec": round(examples / seconds, 1) if seconds else 0.0,
+        **extra,
+    }
+
+
+def make_optimizer(model, kind, sync):
+    """Momentum SGD (wrapped if `sync`), its slots built now, eagerly."""
+    inner = workloads.optimizer(kind)
+    opt = tf2sync.SyncOptimizer(inner) if sync else inner
+    if sync or kind == "keras":
+        opt.build(model.trainable_variables)
+    else:
+        inner._create_all_weights(model.trainable_variables)
+    return opt
+
+
+class LocalRunner:
+    """One process, the global batch (workers x B), K steps per function."""
+
+    def __init__(self, workload, workers, k, kind):
+        self.batch = workloads.BATCH[workload] * workers
+        self.k = k
+        model = workloads.build_model(workload)
+        opt = make_optimizer(model, kind, sync=False)
+        loss = workloads.loss_fn(workload)
+        self.iterator = iter(workloads.dataset(workload, self.batch))
+
+        @tf.function
+        def train(iterator):
+            for _ in tf.range(k):
+                x, y = next(iterator)
+                with tf.GradientTape() as tape:
+                    value = loss(y, model(x))
+                grads = tape.gradient(value, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        self.train = train
+        for _ in range(WARMUP_FUNCTIONS):
+            train(self.iterator)
+
+    def run(self, functions, window=False):
+        del window
+        start = time.perf_counter()
+        for _ in range(functions):
+            self.train(self.iterator)
+        seconds = time.perf_counter() - start
+        steps = functions * self.k
+        return _result(steps * self.batch, seconds, steps=steps)
+
+
+class LoopRunner:
+    """A custom loop on a ClusterCoordinator, stock or tf2sync.
+
+    Args:
+      strategy: A PSS (`sync=False`) or `tf2sync.SyncParameterServerStrategy`.
+      workload: "w1", "w2" or "w3".
+      k: Steps per scheduled function.
+      kind: The optimizer family (see `workloads.optimizer`).
+      sync: Whether the strategy and optimizer are tf2sync's.
+      delay_s: Seconds each step of worker 0 sleeps (0: none), after the
+        step's token and before its gradients: a straggler.
+    """
+
+    def __init__(self, strategy, workload, k, kind, *, sync, delay_s=0.0):
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
+            strategy
+        )
+        self.batch = workloads.BATCH[workload]
+        self.k = k
+        self.sync = sync
+        loss = workloads.loss_fn(workload)
+        with strategy.scope():
+            model = workloads.build_model(workload)
+            opt = make_optimizer(model, kind, sync)
+        self.opt = opt
+        batch = self.batch
+        self.iterator = iter(
+            self.coordinator.create_per_worker_dataset(
+                lambda: workloads.dataset(workload, batch)
+            )
+        )
+
+        def replica(data, delay):
+            x, y = data
+            if delay is not None:
+                slept = tf.py_function(_sleep, [delay], tf.float32)
+                with tf.control_dependencies([slept]):
+                    x = tf.identity(x)
+            with tf.GradientTape() as tape:
+                value = loss(y, model(x))
+            grads = tape.gradient(value, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        @tf.function
+        def train(iterator):
+            delay = None
+            if delay_s > 0:
+                index = _worker_index()
+                delay = tf.where(tf.equal(index, 0), delay_s, 0.0)
+            for _ in tf.range(k):
+                strategy.run(replica, args=(next(iterator), delay))
+
+        self.train = train
+        for _ in range(WARMUP_FUNCTIONS):
+            self.coordinator.schedule(train, args=(self.iterator,))
+        self.coordinator.join()
+
+    def _counts(self):
+        """(gradients in updates, updates) so far, read from the ps."""
+        if self.sync:
+            return (
+                int(self.opt.gradients_accepted.numpy()),
+                int(self.opt.iterations.numpy()),
+            )
+        applied = int(self.opt.iterations.numpy())
+        return applied, applied
+
+    def _stale(self):
+        return int(self.opt.stale_dropped.numpy()) if self.sync else 0
+
+    def run(self, functions, window=False):
+        """Times `functions` scheduled functions.
+
+        With `window`, the rate is taken between 20 % and 80 % of the
+        gradients counted (polled from the ps), which leaves out the start
+        and the tail where some workers have no function left.
+        """
+        grads0, steps0 = self._counts()
+        stale0 = self._stale()
+        samples = []
+        start = time.perf_counter()
+        for _ in range(functions):
+            self.coordinator.schedule(self.train, args=(self.iterator,))
+        while window and not self.coordinator.done():
+            samples.append((time.perf_counter(), self._counts()[0]))
+            time.sleep(_POLL_SECONDS)
+        self.coordinator.join()
+        seconds = time.perf_counter() - start
+        grads1, steps1 = self._counts()
+        extra = {"steps": steps1 - steps0}
+        if self.sync:
+            extra["pushes"] = functions * self.k
+            extra["stale_dropped"] = self._stale() - stale0
+        examples = (grads1 - grads0) * self.batch
+        if window:
+            windowed = _window(samples, grads0, grads1)
+            if windowed:
+                seconds, grads = windowed
+                examples = grads * self.batch
+                extra["window"] = True
+        return _result(examples, seconds, **extra)
+
+
+def _window(samples, first, last):
+    """(seconds, count) between 20 % and 80 % of `first..last`, or None."""
+    low = first + 0.2 * (last - first)
+    high = first + 0.8 * (last - first)
+    a = next((s for s in samples if s[1] >= low), None)
+    b = next((s for s in samples if s[1] >= high), None)
+    if a is None or b is None or b[0] <= a[0] or b[1] <= a[1]:
+        return None
+    return b[0] - a[0], b[1] - a[1]
+
+
+def _sleep(seconds):
+    time.sleep(float(seconds.numpy()))
+    return tf.constant(0.0)
+
+
+class _Timer(tf.keras.callbacks.Callback):
+    """Times fit from on_train_begin to on_train_end (DESIGN_NOTES C)."""
+
+    def on_train_begin(self, logs=None):
+        self.start = time.perf_counter()
+
+    def on_train_end(self, logs=None):
+        self.seconds = time.perf_counter() - self.start
+
+
+class FitRunner:
+    """`model.fit` with `steps_per_execution=k`, stock or tf2sync."""
+
+    def __init__(self, strategy, workload, k, kind, *, sync):
+        self.batch = workloads.BATCH[workload]
+        self.k = k
+        self.sync = sync
+        with strategy.scope():
+            self.model = workloads.build_model(workload)
+            inner = workloads.optimizer(kind)
+            self.opt = tf2sync.SyncOptimizer(inner) if sync else inner
+            self.model.compile(
+                optimizer=self.opt,
+                loss=workloads.keras_loss(workload),
+                steps_per_execution=k,
+            )
+        self.data = workloads.dataset(workload, self.batch)
+        self.model.fit(
+            self.data, epochs=1, steps_per_epoch=WARMUP_FUNCTIONS * k, verbose=0
+        )
+
+    def _count(self):
+        if self.sync:
+            return int(self.opt.gradients_accepted.numpy())
+        return int(self.opt.iterations.numpy())
+
+    def run(self, functions, window=False):
+        del window
+        before = self._count()
+        steps0 = int(self.opt.iterations.numpy())
+        timer = _Timer()
+        self.model.fit(
+            self.data,
+            epochs=1,
+            steps_per_epoch=functions * self.k,
+            verbose=0,
+            callbacks=[timer],
+        )
+        grads = self._count() - before
+        steps = int(self.opt.iterations.numpy()) - steps0
+        return _result(grads * self.batch, timer.seconds, steps=steps)

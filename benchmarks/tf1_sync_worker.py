@@ -1,0 +1,188 @@
+"""Benchmark subprocess: TF1's `SyncReplicasOptimizer`, in graph mode.
+
+What a TF1 user runs instead of tf2sync: between-graph replication with
+`tf.compat.v1.train.SyncReplicasOptimizer` (replicas_to_aggregate = total =
+the number of workers) over a `MomentumOptimizer`, one
+`MonitoredTrainingSession` per worker (here one thread each; worker 0 is
+the chief, with `make_session_run_hook(is_chief, num_tokens=N)`), against an
+in-process cluster of N workers and 1 ps on 127.0.0.1, as TF's own
+`sync_replicas_optimizer_test.py` wires it. Eager execution is disabled,
+hence a process of its own. Examples count aggregated examples: N x B per
+global step. Commands (see `procs.serve`):
+
+* `setup(steps)` builds the graphs and sessions, starts one thread per
+  worker and trains until the global step rose by `steps` (warm-up);
+* `run(steps)` trains until the global step rose by `steps` and times it.
+
+Started by benchmarks/harness.py, not by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import procs  # noqa: E402
+
+procs.die_with_parent()
+
+import tensorflow as tf  # noqa: E402
+import workloads  # noqa: E402
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+_WORKERS = flags.DEFINE_integer("workers", 2, "Worker tasks.")
+_WORKLOAD = flags.DEFINE_enum(
+    "workload", "w1", list(workloads.WORKLOADS), "Model."
+)
+
+v1 = tf.compat.v1
+
+
+def _start_cluster(num_workers):
+    ports = procs.pick_free_ports(num_workers + 1)
+    spec = tf.train.ClusterSpec(
+        {
+            "worker": [f"127.0.0.1:{p}" for p in ports[:num_workers]],
+            "ps": [f"127.0.0.1:{ports[-1]}"],
+        }
+    )
+    # Fewer inter-op threads than workers + 1 hang on a 2-core machine.
+    config = v1.ConfigProto(inter_op_parallelism_threads=num_workers + 2)
+    servers = [
+        tf.distribute.Server(spec, job_name=job, task_index=i, config=config)
+        for job, count in (("worker", num_workers), ("ps", 1))
+        for i in range(count)
+    ]
+    return spec, servers[:num_workers], config
+
+
+class _Replica:
+    """One worker's graph, train op and monitored session."""
+
+    def __init__(self, spec, index, num_workers, workload, master, config):
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            setter = v1.train.replica_device_setter(
+                worker_device=f"/job:worker/task:{index}", cluster=spec
+            )
+            with v1.device(setter):
+                self.global_step = v1.train.get_or_create_global_step()
+                model = workloads.build_model(workload)
+                data = workloads.dataset(workload, workloads.BATCH[workload])
+                x, y = v1.data.make_one_shot_iterator(data).get_next()
+                loss = workloads.loss_fn(workload)(y, model(x))
+                opt = v1.train.SyncReplicasOptimizer(
+                    v1.train.MomentumOptimizer(
+                        workloads.LEARNING_RATE, workloads.MOMENTUM
+                    ),
+                    replicas_to_aggregate=num_workers,
+                    total_num_replicas=num_workers,
+                )
+                self.train_op = opt.minimize(loss, global_step=self.global_step)
+                hook = opt.make_session_run_hook(
+                    index == 0, num_tokens=num_workers
+                )
+            self.session = v1.train.MonitoredTrainingSession(
+                master=master,
+                is_chief=index == 0,
+                hooks=[hook],
+                config=config,
+                stop_grace_period_secs=2,
+                save_checkpoint_secs=None,
+                save_summaries_steps=None,
+                save_summaries_secs=None,
+                log_step_count_steps=None,
+            )
+            self.reader = v1.Session(master, config=config)
+
+    def read_step(self):
+        return int(self.reader.run(self.global_step))
+
+
+class _Server:
+    """Worker threads that train nonstop while the gate is open.
+
+    A worker that ran a fixed number of steps and stopped could leave
+    another blocked forever on a token (TF1 drops the first post-start
+    gradients as stale, so the tokens do not add up): a run instead opens
+    the gate until the global step has risen by `steps`, then closes it;
+    a worker blocked on a token goes on at the next run.
+    """
+
+    def __init__(self, num_workers, workload):
+        self.num_workers = num_workers
+        self.workload = workload
+        self.replicas = None
+        self.gate = threading.Event()
+        self.done = threading.Event()
+        self.errors = []
+        self.target = None
+        self.hit = None
+
+    def setup(self, steps):
+        spec, servers, config = _start_cluster(self.num_workers)
+        self.replicas = [  # the chief first: the others wait for its init
+            _Replica(spec, i, self.num_workers, self.workload, s.target, config)
+            for i, s in enumerate(servers)
+        ]
+        for replica in self.replicas:
+            threading.Thread(
+                target=self._train, args=(replica,), daemon=True
+            ).start()
+        self._until(steps)
+        return {"global_step": self.replicas[0].read_step()}
+
+    def _train(self, replica):
+        try:
+            while True:
+                self.gate.wait()
+                _, step = replica.session.run(
+                    [replica.train_op, replica.global_step]
+                )
+                if step >= self.target and self.gate.is_set():
+                    self.gate.clear()
+                    self.hit = (time.perf_counter(), int(step))
+                    self.done.set()
+        except Exception as e:  # noqa: BLE001 - raised by the command
+            self.errors.append(e)
+            self.done.set()
+
+    def _until(self, steps):
+        """Opens the gate until the global step rose by `steps`."""
+        before = self.replicas[0].read_step()
+        self.target = before + steps
+        self.done.clear()
+        start = time.perf_counter()
+        self.gate.set()
+        self.done.wait()
+        if self.errors:
+            raise self.errors[0]
+        end, step = self.hit
+        return step - before, end - start
+
+    def run(self, steps):
+        applied, seconds = self._until(steps)
+        examples = applied * self.num_workers * workloads.BATCH[self.workload]
+        return {
+            "examples": examples,
+            "seconds": round(seconds, 4),
+            "examples_per_sec": round(examples / seconds, 1),
+            "steps": applied,
+        }
+
+
+def main(argv):
+    del argv
+    v1.disable_eager_execution()
+    tf.get_logger().setLevel("ERROR")
+    server = _Server(_WORKERS.value, _WORKLOAD.value)
+    procs.serve({"setup": server.setup, "run": server.run})
+
+
+if __name__ == "__main__":
+    app.run(main)

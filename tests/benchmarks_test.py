@@ -1,0 +1,182 @@
+"""The benchmark harness runs end to end and leaves no process behind.
+
+Smoke runs only (a few seconds of each system): benchmarks are not timed
+tests, so nothing here asserts a speed.
+"""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from unittest import mock
+
+from absl.testing import absltest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_HARNESS = os.path.join(_ROOT, "benchmarks", "harness.py")
+_SYSTEMS = (
+    "local",
+    "tf2sync_fit",
+    "tf2sync_loop",
+    "pss_async",
+    "tf1_sync",
+    "mwms",
+)
+
+
+def _load_report():
+    """benchmarks/report.py (and its sibling `sections`), by path."""
+    folder = os.path.join(_ROOT, "benchmarks")
+    spec = importlib.util.spec_from_file_location(
+        "report", os.path.join(folder, "report.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    with mock.patch.object(sys, "path", [folder, *sys.path]):
+        spec.loader.exec_module(module)
+    return module
+
+
+def _gone(pid, start_time):
+    """True if the process `pid` that started at `start_time` has ended."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return True
+    return fields[0] == "Z" or int(fields[19]) != start_time
+
+
+def _wait_gone(test, started, seconds=15.0):
+    deadline = time.monotonic() + seconds
+    left = started
+    while left and time.monotonic() < deadline:
+        left = [r for r in left if not _gone(r["pid"], r["start_time"])]
+        time.sleep(0.2)
+    test.assertEqual(left, [], "processes left running")
+
+
+@absltest.skipUnless(sys.platform.startswith("linux"), "reads /proc")
+class HarnessSmokeTest(absltest.TestCase):
+    def _tempdir(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        return tmp.name
+
+    def test_smoke_run_reports_every_system_and_ends_every_process(self):
+        out = self._tempdir()
+        proc = subprocess.run(
+            [
+                sys.executable,
+                _HARNESS,
+                "--smoke",
+                f"--output_dir={out}",
+                f"--subprocess_logs={os.path.join(out, 'logs')}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+        with open(os.path.join(out, "benchmarks.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        self.assertEqual([r for r in records if "error" in r], [])
+        runs = [
+            r
+            for r in records
+            if r.get("scenario") == "main" and "examples_per_sec" in r
+        ]
+        self.assertCountEqual({r["system"] for r in runs}, _SYSTEMS)
+        for r in runs:
+            self.assertGreater(r["examples"], 0, r)
+            self.assertGreater(r["seconds"], 0, r)
+        printed = [
+            json.loads(line)
+            for line in proc.stdout.splitlines()
+            if line.startswith("{")
+        ]
+        self.assertEqual(printed, records)
+
+        with open(os.path.join(out, "benchmarks.md")) as f:
+            markdown = f.read()
+        self.assertIn("## Targets", markdown)
+        self.assertIn("Smoke run: not a measurement.", markdown)
+        for system in _SYSTEMS:
+            self.assertIn(f"| `{system}` | ", markdown)
+
+        done = [r for r in records if r.get("event") == "processes"]
+        self.assertLen(done, 1)
+        started = done[0]["started"]
+        self.assertCountEqual(
+            [r["name"] for r in started],
+            ["pss_w1", "local_w1", "tf1_sync_w1", "mwms_w1_0", "mwms_w1_1"],
+        )
+        self.assertEqual(done[0]["alive"], [])
+        _wait_gone(self, started, seconds=1.0)
+
+    def test_killed_harness_leaves_no_process(self):
+        """SIGKILL to the harness: the kernel ends its subprocesses."""
+        out = self._tempdir()
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                _HARNESS,
+                "--smoke",
+                "--systems=tf2sync_loop,tf1_sync,mwms",
+                f"--output_dir={out}",
+                f"--subprocess_logs={os.path.join(out, 'logs')}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        started = []
+        try:
+            for line in proc.stdout:  # until every system is set up
+                record = json.loads(line) if line.startswith("{") else {}
+                if record.get("event") == "started":
+                    started.append(record)
+                if record.get("event") == "setup" and (
+                    record["system"] == "mwms"
+                ):
+                    break
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        self.assertLen(started, 4)
+        _wait_gone(self, started)
+
+
+class ReportTest(absltest.TestCase):
+    def test_targets_are_ratios_of_medians(self):
+        report = _load_report()
+
+        def run(workload, system, rate):
+            return {
+                "scenario": "main",
+                "workload": workload,
+                "system": system,
+                "examples_per_sec": rate,
+            }
+
+        records = [
+            run("w1", "tf1_sync", 10.0),
+            run("w1", "tf1_sync", 12.0),
+            run("w1", "tf1_sync", 1000.0),  # an outlier: medians ignore it
+            run("w1", "tf2sync_loop", 20.0),
+            run("w1", "tf2sync_loop", 18.0),
+            run("w1", "tf2sync_fit", 11.0),
+        ]
+        rows = {t["target"]: t for t in report.targets(records)}
+        loop = rows["w1 tf2sync_loop / tf1_sync"]
+        self.assertEqual((loop["measured"], loop["result"]), ("1.58", "PASS"))
+        fit = rows["w1 tf2sync_fit / tf1_sync"]
+        self.assertEqual((fit["measured"], fit["result"]), ("0.92", "MISS"))
+        self.assertStartsWith(rows["w2 tf2sync_loop / local"]["result"], "n/a")
+
+
+if __name__ == "__main__":
+    absltest.main()
