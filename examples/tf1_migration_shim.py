@@ -6,11 +6,12 @@ worker `train_op = tf.group(*train_ops)`, one hook per optimizer. Ported:
 
 * the graph and `MonitoredTrainingSession` become a `tf.function` step
   scheduled on a `ClusterCoordinator`;
-* `global_step` goes to group A only; B and C get private int64 step
-  variables (TF1 rejects `global_step=None`; this is TF1's own deterministic
-  variant, see docs/migrating.md): every counter rises by 1 per round;
+* `global_step` goes to group A only; B and C pass `global_step=None` and
+  join A's round (TF1 rejected that; see docs/migrating.md): the three
+  optimizers form one round, each worker step takes one token after all
+  its pushes, and `global_step` rises by 1 per round;
 * each hook's `begin()` / `after_create_session()` runs once before
-  training, `end()` after.
+  training (the first one initializes the shared round), `end()` after.
 
 Run: python examples/tf1_migration_shim.py [--steps 10] [--json]
 """
@@ -54,8 +55,6 @@ def train(steps):
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():
         global_step = tf.Variable(0, dtype=tf.int64, trainable=False)
-        step_b = tf.Variable(0, dtype=tf.int64, trainable=False)
-        step_c = tf.Variable(0, dtype=tf.int64, trainable=False)
         w_a = tf.Variable(tf.zeros([3, 1]), name="w_a")
         w_b = tf.Variable(tf.zeros([1]), name="w_b")
         w_c = tf.Variable(0.0, name="w_c")
@@ -69,9 +68,9 @@ def train(steps):
             for k, s in SCALES.items()
         }
     groups = {
-        "a": ([w_a], global_step),
-        "b": ([w_b], step_b),
-        "c": ([w_c], step_c),
+        "a": ([w_a], global_step),  # applied first: it owns the round
+        "b": ([w_b], None),
+        "c": ([w_c], None),
     }
 
     @tf.function
@@ -88,7 +87,7 @@ def train(steps):
                 )
                 for k in "abc"
             ]
-            return train_ops  # the three new local steps
+            return train_ops  # the new local step (one token), thrice
 
         return strategy.run(replica, args=(x, y))
 
@@ -111,8 +110,7 @@ def train(steps):
         "w_b": w_b.numpy().tolist(),
         "w_c": float(w_c.numpy()),
         "global_step": int(global_step.numpy()),
-        "step_b": int(step_b.numpy()),
-        "step_c": int(step_c.numpy()),
+        "rounds": int(opts["a"].rounds.numpy()),
     }
 
 

@@ -149,6 +149,167 @@ class _Harness:
             self.hook.end()
 
 
+class _MultiHarness(_Harness):
+    """The same fixture, three Momentum shims at lr, 10 lr, 20 lr.
+
+    Group A is v0, B is v1, C is v_sparse; `given[i]` says whether group i
+    passes `global_step` (else None).
+    """
+
+    LR, MOMENTUM = 0.1, 0.9
+
+    def __init__(self, given, rta=2, total=2, num_tokens=2):
+        super().__init__(rta, total, num_tokens)
+        with self.strategy.scope():
+            self.opts = [
+                compat_v1.SyncReplicasOptimizer(
+                    tf.compat.v1.train.MomentumOptimizer(
+                        self.LR * k, self.MOMENTUM
+                    ),
+                    replicas_to_aggregate=rta,
+                    total_num_replicas=total,
+                    name=f"sync_{k}",
+                )
+                for k in (1, 10, 20)
+            ]
+        self.opt = self.opts[0]
+        strategy, opts, gs = self.strategy, self.opts, self.global_step
+        variables = [self.v0, self.v1, self.v_sparse]
+        steps = [gs if g else None for g in given]
+
+        @tf.function
+        def step(w):
+            def replica(w):
+                wf = tf.cast(w, tf.float32)
+                grads = [
+                    0.1 + 0.2 * wf,
+                    0.9 + 0.2 * wf,
+                    tf.IndexedSlices(
+                        tf.reshape(0.1 + 0.2 * wf, [1, 1]),
+                        tf.constant([1], tf.int64),
+                        tf.constant([2, 1], tf.int64),
+                    ),
+                ]
+                return [
+                    o.apply_gradients([(g, v)], s)
+                    for o, g, v, s in zip(opts, grads, variables, steps)
+                ]
+
+            with strategy_lib._WorkerScope(w):
+                return strategy.run(replica, args=(w,))
+
+        self.step = step
+
+    def start(self, is_chief=True):
+        self.trace()
+        self.hooks = [
+            o.make_session_run_hook(is_chief, self.num_tokens)
+            for o in self.opts
+        ]
+        for hook in self.hooks:
+            hook.begin()
+            hook.after_create_session()
+        self.hook = self.hooks[0]
+
+    def run(self, w):
+        result = self.schedule(w)
+        self.coordinator.join()
+        tokens = [int(t) for t in result.fetch()]
+        assert len(set(tokens)) == 1, tokens  # one token per step
+        return tokens[0]
+
+    def values(self):
+        return [
+            float(self.v0.numpy()),
+            float(self.v1.numpy()),
+            self.v_sparse.numpy()[:, 0].tolist(),
+        ]
+
+
+class MultiOptimizerTest(absltest.TestCase):
+    """Several shims in one step form one round (TF1 was wrong here)."""
+
+    def setUp(self):
+        super().setUp()
+        self.harness = None
+
+    def tearDown(self):
+        if self.harness is not None:
+            self.harness.close()
+        super().tearDown()
+
+    def _expected(self, rounds):
+        lr, m = _MultiHarness.LR, _MultiHarness.MOMENTUM
+        v = [0.0, 1.0, 4.0]  # v_sparse row 1; row 0 stays 3.0
+        acc = [0.0, 0.0, 0.0]
+        mean = [0.2, 1.0, 0.2]  # workers 0 and 1 averaged
+        out = []
+        for _ in range(rounds):
+            for i, k in enumerate((1, 10, 20)):
+                acc[i] = m * acc[i] + mean[i]
+                v[i] -= lr * k * acc[i]
+            out.append([v[0], v[1], [3.0, v[2]]])
+        return out
+
+    def _check(self, given):
+        h = self.harness = _MultiHarness(given)
+        h.start()
+        expected = self._expected(2)
+        # One token queue, local steps and round for all three.
+        self.assertLen({id(o._round) for o in h.opts}, 1)
+        self.assertEqual(int(h.opt._sync_token_queue.size()), 2)
+
+        # Phase 1: sequential, the initial tokens let both pass.
+        self.assertEqual(h.run(0), 0)
+        self.assertEqual(h.run(1), 0)
+        h.wait_global_step(1)
+        h.wait_rounds(1)
+        np.testing.assert_allclose(
+            _flat(h.values()), _flat(expected[0]), rtol=1e-5, atol=1e-6
+        )
+
+        # Phase 2: every group's gradients are stale and dropped.
+        self.assertEqual(h.run(0), 1)
+        self.assertEqual(h.run(1), 1)
+        time.sleep(0.5)
+        self.assertEqual(int(h.global_step.numpy()), 1)
+        self.assertEqual(int(h.opt.rounds.numpy()), 1)
+        np.testing.assert_allclose(
+            _flat(h.values()), _flat(expected[0]), rtol=1e-5, atol=1e-6
+        )
+        self.assertEqual([h.local_step(0), h.local_step(1)], [1, 1])
+
+        # Phase 3: concurrent; one round, every group moves once.
+        h.schedule(0)
+        h.schedule(1)
+        h.coordinator.join()
+        self.assertEqual(int(h.global_step.numpy()), 2)
+        h.wait_rounds(2)
+        np.testing.assert_allclose(
+            _flat(h.values()), _flat(expected[1]), rtol=1e-5, atol=1e-6
+        )
+        # The barrier: tokens are released once per round (2), taken once
+        # per worker step (2): none left over.
+        self.assertEqual(int(h.opt._sync_token_queue.size()), 0)
+
+    def test_only_first_given_global_step(self):
+        self._check([True, False, False])
+
+    def test_all_given_the_same_global_step(self):
+        self._check([True, True, True])
+
+    def test_no_global_step_in_the_step(self):
+        h = self.harness = _MultiHarness([False, False, False])
+        with self.assertRaisesRegex(
+            ValueError, "Global step is required to check staleness"
+        ):
+            h.trace()
+
+
+def _flat(values):
+    return [values[0], values[1]] + list(values[2])
+
+
 class SyncReplicasTest(absltest.TestCase):
     def setUp(self):
         super().setUp()
@@ -226,6 +387,38 @@ class SyncReplicasTest(absltest.TestCase):
         self.assertEqual(int(h.global_step.numpy()), 2)
         self.assertAlmostEqual(float(h.v0.numpy()), -1.0, places=5)
         self.assertAlmostEqual(float(h.v1.numpy()), -3.2, places=5)
+
+    def test_retrace_does_not_duplicate_state(self):
+        h = self.harness = _Harness(rta=2, total=2, num_tokens=2)
+        h.trace()
+        opt = h.opt
+        accumulators = opt._accumulators()
+        self.assertLen(accumulators, 3)
+        sync_round, local_steps = opt._round, opt.local_steps
+        # A second input signature, and a new tf.function over the same
+        # optimizer, both retrace apply_gradients.
+        h.step.get_concrete_function(tf.TensorSpec([], tf.int32))
+        step2 = tf.function(h.step.python_function)
+        step2.get_concrete_function(tf.TensorSpec([], tf.int64))
+        self.assertLen(opt._states, 1)
+        self.assertEqual(
+            [id(a) for a in opt._accumulators()],
+            [id(a) for a in accumulators],
+        )
+        self.assertIs(opt._round, sync_round)
+        self.assertIs(opt.local_steps, local_steps)
+        self.assertLen(sync_round.members, 1)
+        h.start()
+        # Training still matches test2Workers phase 1, across both traces.
+        h.coordinator.schedule(step2, args=(tf.constant(0, tf.int64),))
+        h.coordinator.join()
+        h.run(1)
+        h.wait_global_step(1)
+        self.assertAlmostEqual(float(h.v0.numpy()), -0.4, places=5)
+        self.assertAlmostEqual(float(h.v1.numpy()), -1.0, places=5)
+        np.testing.assert_allclose(
+            h.v_sparse.numpy(), [[3.0], [3.6]], rtol=1e-6
+        )
 
     def test_keras_inner_optimizer(self):
         self._check_keras(lambda: tf.keras.optimizers.SGD(2.0))
@@ -347,17 +540,20 @@ class SyncReplicasTest(absltest.TestCase):
 
 
 class DifferentialTest(absltest.TestCase):
-    """The shim and TF1's real optimizer, same replica-step sequence."""
+    """The shim and TF1's real optimizer, same replica-step sequence.
 
-    SEQUENCE = [[0], [1], [0], [1], [0, 1], [0, 1], [0, 1]]
+    Each line compared: global_step, v0, v1, v_sparse, the moving averages
+    of v0 and v1 (if any) and every worker's local step, after each phase.
+    """
 
-    def test_dense_matches_tf1(self):
+    def _compare(self, sequence, config, final_step):
         env = dict(os.environ, PYTHONPATH=ROOT)
         proc = subprocess.Popen(
             [
                 sys.executable,
                 os.path.join(HERE, "compat_v1_tf1_reference.py"),
-                json.dumps(self.SEQUENCE),
+                json.dumps(sequence),
+                json.dumps(config),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -375,95 +571,146 @@ class DifferentialTest(absltest.TestCase):
             [float(x) for x in line.split()]
             for line in out.strip().splitlines()
         ]
-        self.assertLen(expected, len(self.SEQUENCE))
+        self.assertLen(expected, len(sequence))
 
-        h = _Harness(rta=2, total=2, num_tokens=2)
+        workers = config.get("workers", 2)
+        rta = config.get("rta", 2)
+        ema = None
+        if config.get("ema") is not None:
+            ema = tf.compat.v1.train.ExponentialMovingAverage(config["ema"])
+        h = _Harness(
+            rta=rta,
+            total=config.get("total", workers),
+            num_tokens=config.get("num_tokens", 2),
+            ema=ema,
+        )
         try:
             h.start()
             accumulator = h.opt._states[0].accumulators[0]
             got = []
-            for phase in self.SEQUENCE:
+            for phase in sequence:
                 for w in phase:
                     h.schedule(w)
                 h.coordinator.join()
-                h.settle(accumulator)
-                got.append(
-                    [
-                        float(h.global_step.numpy()),
-                        float(h.v0.numpy()),
-                        float(h.v1.numpy()),
-                        float(h.local_step(0)),
-                        float(h.local_step(1)),
+                h.settle(accumulator, rta)
+                line = [
+                    float(h.global_step.numpy()),
+                    float(h.v0.numpy()),
+                    float(h.v1.numpy()),
+                ] + h.v_sparse.numpy()[:, 0].tolist()
+                if ema is not None:
+                    line += [
+                        float(ema.average(h.v0).numpy()),
+                        float(ema.average(h.v1).numpy()),
                     ]
-                )
+                got.append(line + [h.local_step(w) for w in range(workers)])
         finally:
             h.close()
         np.testing.assert_allclose(got, expected, atol=1e-5)
-        # Not vacuous: the sequence includes stale (dropped) steps.
-        self.assertEqual(expected[-1][0], 4.0)
+        # Not vacuous: the sequences include stale (dropped) steps.
+        self.assertEqual(expected[-1][0], final_step)
+
+    def test_dense_and_sparse_match_tf1(self):
+        sequence = [[0], [1], [0], [1], [0, 1], [0, 1], [0, 1]]
+        self._compare(sequence, {}, 4.0)
+
+    def test_backup_worker_matches_tf1(self):
+        # test3Workers1Backup's phases, then a late and a stale step.
+        sequence = [[0], [2], [1], [0], [1], [2], [0, 1], [2], [0, 1]]
+        config = {"workers": 3, "rta": 2, "total": 3, "num_tokens": 3}
+        self._compare(sequence, config, 3.0)
+
+    def test_more_replicas_to_aggregate_than_workers_matches_tf1(self):
+        sequence = [[0]] * 7
+        self._compare(sequence, {"workers": 1, "rta": 2, "total": 1}, 3.0)
+
+    def test_moving_averages_match_tf1(self):
+        sequence = [[0], [1], [0], [1], [0, 1], [0, 1], [0, 1]]
+        self._compare(sequence, {"ema": 0.5}, 4.0)
+
+
+def _run_example(name, steps):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, "examples", f"{name}.py"),
+            "--steps",
+            str(steps),
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _import_example(name):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def _numpy_momentum(example, updates):
+    """Synchronous, averaged momentum updates of the examples' model."""
+    shards = [
+        (x.astype("float64"), y.astype("float64")) for x, y in example.shards()
+    ]
+    w = {"a": np.zeros([3, 1]), "b": np.zeros([1]), "c": 0.0}
+    acc = {"a": np.zeros([3, 1]), "b": np.zeros([1]), "c": 0.0}
+    for _ in range(updates):
+        grads = []
+        for x, y in shards:
+            r = x @ w["a"] + w["b"] + w["c"] * x[:, :1] - y
+            d = 2.0 * r / len(x)
+            grads.append(
+                {
+                    "a": x.T @ d,
+                    "b": d.sum(0),
+                    "c": float((d * x[:, :1]).sum()),
+                }
+            )
+        for k, scale in example.SCALES.items():
+            g = np.mean([gr[k] for gr in grads], axis=0)
+            acc[k] = example.MOMENTUM * acc[k] + g
+            w[k] = w[k] - example.LR * scale * acc[k]
+    return w
 
 
 class ExampleTest(absltest.TestCase):
-    """examples/tf1_migration_shim.py against synchronous momentum in NumPy."""
+    """The two migration examples against synchronous momentum in NumPy."""
 
-    def test_three_momentum_optimizers_match_numpy(self):
-        steps = 6
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                os.path.join(ROOT, "examples", "tf1_migration_shim.py"),
-                "--steps",
-                str(steps),
-                "--json",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
-        try:
-            out, err = proc.communicate(timeout=240)
-        finally:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
-        self.assertEqual(proc.returncode, 0, err[-3000:])
-        got = json.loads(out.strip().splitlines()[-1])
-
-        sys.path.insert(0, os.path.join(ROOT, "examples"))
-        try:
-            import tf1_migration_shim as example
-        finally:
-            sys.path.pop(0)
-        shards = [
-            (x.astype("float64"), y.astype("float64"))
-            for x, y in example.shards()
-        ]
-        w = {"a": np.zeros([3, 1]), "b": np.zeros([1]), "c": 0.0}
-        acc = {"a": np.zeros([3, 1]), "b": np.zeros([1]), "c": 0.0}
-        updates = steps - 1  # TF1's wasted post-start step
-        for _ in range(updates):
-            grads = []
-            for x, y in shards:
-                r = x @ w["a"] + w["b"] + w["c"] * x[:, :1] - y
-                d = 2.0 * r / len(x)
-                grads.append(
-                    {
-                        "a": x.T @ d,
-                        "b": d.sum(0),
-                        "c": float((d * x[:, :1]).sum()),
-                    }
-                )
-            for k, scale in example.SCALES.items():
-                g = np.mean([gr[k] for gr in grads], axis=0)
-                acc[k] = example.MOMENTUM * acc[k] + g
-                w[k] = w[k] - example.LR * scale * acc[k]
+    def _check_weights(self, got, w):
         np.testing.assert_allclose(got["w_a"], w["a"], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(got["w_b"], w["b"], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(got["w_c"], w["c"], rtol=1e-4, atol=1e-5)
-        for key in ("global_step", "step_b", "step_c"):
+
+    def test_shim_example_matches_numpy(self):
+        steps = 6
+        got = _run_example("tf1_migration_shim", steps)
+        updates = steps - 1  # TF1's wasted post-start step
+        example = _import_example("tf1_migration_shim")
+        self._check_weights(got, _numpy_momentum(example, updates))
+        for key in ("global_step", "rounds"):
             self.assertEqual(got[key], updates)
+
+    def test_multi_optimizer_example_matches_numpy(self):
+        steps = 6
+        got = _run_example("tf1_migration_multi", steps)
+        example = _import_example("tf1_migration_multi")
+        self._check_weights(got, _numpy_momentum(example, steps))
+        self.assertEqual(got["global_step"], steps)
 
 
 if __name__ == "__main__":

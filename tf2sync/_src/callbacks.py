@@ -22,8 +22,9 @@ def find_sync_optimizer(optimizer):
     )
 
 
-def sync_totals(sync) -> dict:
-    """Exact totals of a `SyncOptimizer`, read from the parameter servers."""
+def sync_totals(optimizer) -> dict:
+    """Exact totals of a `SyncOptimizer` (or its loss-scale wrapper)."""
+    sync = find_sync_optimizer(optimizer)
     aggregator = sync._aggregator
     totals = {
         "sync_steps": int(sync.iterations.numpy()),

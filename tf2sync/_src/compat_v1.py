@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 
 import tensorflow as tf
 from absl import logging
@@ -21,6 +22,9 @@ from tf2sync._src import aggregation
 from tf2sync._src import strategy as strategy_lib
 
 _UIDS = itertools.count()
+# Per traced graph: the `_Round` started there, and each round's step context.
+_OPEN_ROUNDS = weakref.WeakKeyDictionary()
+_STEP_CONTEXTS = weakref.WeakKeyDictionary()
 
 
 def _plain_variable(initial_value, device, name, dtype=None):
@@ -202,8 +206,8 @@ class ChiefRunner:
     accumulator, apply once, release tokens, moving averages) back to back.
     """
 
-    def __init__(self, optimizer):
-        self._optimizer = optimizer
+    def __init__(self, sync_round):
+        self._optimizer = sync_round
         self._thread = None
         self._stopping = False
         self.error = None
@@ -231,7 +235,9 @@ class ChiefRunner:
         except Exception as e:  # noqa: BLE001 - reported through .error
             if not self._stopping:
                 self.error = e
-                logging.error("SyncReplicasOptimizer chief round failed: %s", e)
+                logging.exception(
+                    "SyncReplicasOptimizer chief round failed: %s", e
+                )
 
     def stop(self, timeout: float = 30.0):
         """Stops the thread: unblocks its takes and skips that round's apply.
@@ -243,8 +249,7 @@ class ChiefRunner:
             return
         self._stopping = True
         self._optimizer._stop_flag.assign(True)
-        rta = self._optimizer._replicas_to_aggregate
-        for acc in self._optimizer._accumulators():
+        for acc, rta in self._optimizer._accumulators_and_rta():
             acc.unblock(rta)
         self._thread.join(timeout)
         self._thread = None
@@ -286,14 +291,16 @@ class _SyncReplicasOptimizerHook:
         del session, coord
         if not self._begun:
             self.begin()
-        opt = self._sync_optimizer
+        sync_round = self._sync_optimizer._round
         if self._is_chief:
+            if not sync_round._hook_initialized(self):
+                return  # another member's hook initialized this round
             self._q_runner.stop()
-            opt._chief_init()
+            sync_round._chief_init()
             self._init_tokens()
             self._q_runner.start()
         else:
-            opt._local_step_init()
+            sync_round._local_step_init()
 
     def end(self, session=None):
         """Stops the chief's round thread."""
@@ -323,6 +330,200 @@ class _State:
             self.accumulators.append(acc)
 
 
+class _StepContext:
+    """One traced replica step's shared worker side for one `_Round`."""
+
+    def __init__(self, local_step):
+        self.local_step = local_step
+        self.dequeue = None
+        self.result = None
+
+
+class _Round:
+    """What the shim optimizers used in one training step share.
+
+    One token queue (beside the round's global step), one local step per
+    worker, one chief round that takes every member's accumulators, applies
+    each inner optimizer once, increments each distinct global step once
+    and releases `tokens_per_step` tokens once.
+    """
+
+    def __init__(self, leader, global_step):
+        dtype = global_step.dtype.base_dtype
+        device = global_step.device
+        strategy = leader._strategy
+        num_workers = max(
+            leader._total_num_replicas,
+            getattr(strategy.extended, "_num_workers", 1),
+        )
+        name = leader._name
+        self.members = []  # (optimizer, its global_step or None)
+        self.global_step = global_step
+        self.strategy = strategy
+        self.tokens_per_step = leader._tokens_per_step
+        with tf.init_scope():
+            current = global_step.read_value()
+            self.local_steps = _plain_variable(
+                tf.fill([num_workers], current),
+                device,
+                f"{name}_sync_rep_local_step",
+            )
+            with tf.device(device):
+                self.token_queue = tf.queue.FIFOQueue(
+                    capacity=-1,
+                    dtypes=[dtype],
+                    shapes=[()],
+                    name=f"{name}_sync_token_q",
+                )
+            self._stop_flag = resource_variable_ops.ResourceVariable(
+                False, trainable=False, name=f"{name}_stop"
+            )
+            self.rounds = _plain_variable(
+                tf.constant(0, tf.int64), device, f"{name}_rounds"
+            )
+        self.runner = ChiefRunner(self)
+        self._round_fn = None
+        self._initialized_hooks = set()
+
+    def add_member(self, opt, global_step):
+        self.members.append((opt, global_step))
+
+    def _accumulators_and_rta(self):
+        return [
+            (acc, opt._replicas_to_aggregate)
+            for opt, _ in self.members
+            for acc in opt._accumulators()
+        ]
+
+    def _hook_initialized(self, hook):
+        """True if `hook` should (re)initialize the round now."""
+        if not self._initialized_hooks or hook in self._initialized_hooks:
+            self._initialized_hooks = {hook}
+            return True
+        self._initialized_hooks.add(hook)
+        return False
+
+    def rebuild(self):
+        self._round_fn = self._make_round_fn()
+
+    def _make_round_fn(self):
+        members = [(opt, gs, list(opt._states)) for opt, gs in self.members]
+
+        @tf.function(autograph=False)
+        def sync_round():
+            applies = []  # (optimizer, grads_and_vars, global_step)
+            incremented = set()
+            for opt, gs, states in members:
+                grads_and_vars = []
+                for state in states:
+                    for var, acc in zip(state.variables, state.accumulators):
+                        grad = None
+                        if acc is not None:
+                            grad = acc.take(opt._replicas_to_aggregate)
+                        grads_and_vars.append((grad, var))
+                if gs is not None and id(gs) in incremented:
+                    gs = None
+                if gs is not None:
+                    incremented.add(id(gs))
+                applies.append((opt, grads_and_vars, gs))
+            taken = [
+                t
+                for _, gvs, _ in applies
+                for g, _ in gvs
+                if g is not None
+                for t in tf.nest.flatten(g, expand_composites=True)
+            ]
+
+            def apply():
+                updates = []
+                for opt, gvs, gs in applies:
+                    update = opt._inner_apply(gvs, gs)
+                    if update is not None:
+                        updates.append(update)
+                with tf.control_dependencies(updates):
+                    step = self.global_step.read_value()
+                    with tf.device(self.global_step.device):
+                        release = self.token_queue.enqueue_many(
+                            [tf.fill([self.tokens_per_step], step)]
+                        )
+                ops = [release]
+                for opt, _ in self.members:
+                    if opt._variable_averages is not None:
+                        with tf.control_dependencies([release]):
+                            ops.append(
+                                opt._variable_averages.apply(
+                                    opt._variables_to_average
+                                )
+                            )
+                with tf.control_dependencies(ops):
+                    return self.rounds.assign_add(1, read_value=False)
+
+            with tf.control_dependencies(taken):
+                stop = self._stop_flag.read_value()
+            with tf.control_dependencies(taken):
+                tf.cond(stop, tf.no_op, apply)
+
+        return sync_round
+
+    def _chief_init(self):
+        step = self.global_step.read_value()
+        self.local_steps.assign(tf.fill(tf.shape(self.local_steps), step))
+        for acc, _ in self._accumulators_and_rta():
+            acc.set_global_step(step)
+
+    def _local_step_init(self):
+        step = self.global_step.read_value()
+        self.local_steps.assign(tf.fill(tf.shape(self.local_steps), step))
+
+    def step_context(self):
+        """The current traced step's `_StepContext` (a new one eagerly)."""
+        worker = strategy_lib.current_worker()
+        if worker is None:
+            worker = tf.constant(0, tf.int64)
+        if tf.executing_eagerly():
+            ctx = None
+        else:
+            graph = tf.compat.v1.get_default_graph()
+            contexts = _STEP_CONTEXTS.setdefault(graph, {})
+            ctx = contexts.get(id(self))
+        if ctx is None:
+            ctx = _StepContext(tf.gather(self.local_steps, worker))
+            ctx.worker = worker
+            if not tf.executing_eagerly():
+                contexts[id(self)] = ctx
+        return ctx
+
+    def finish_step(self, ctx, pushes):
+        """Makes the step's one token dequeue wait for `pushes` too."""
+        push_ops = [p if isinstance(p, tf.Operation) else p.op for p in pushes]
+        if ctx.dequeue is not None:
+            ctx.dequeue.op._add_control_inputs(push_ops)
+            return ctx.result
+        with tf.control_dependencies(push_ops):
+            with tf.device(self.global_step.device):
+                ctx.dequeue = self.token_queue.dequeue()
+        update = self.local_steps.scatter_update(
+            tf.IndexedSlices(
+                tf.reshape(ctx.dequeue, [1]), tf.reshape(ctx.worker, [1])
+            )
+        )
+        with tf.control_dependencies([update]):
+            ctx.result = tf.identity(ctx.dequeue)
+        return ctx.result
+
+
+def _open_round():
+    """The `_Round` a shim optimizer started in the current traced step."""
+    if tf.executing_eagerly():
+        return None
+    return _OPEN_ROUNDS.get(tf.compat.v1.get_default_graph())
+
+
+def _set_open_round(sync_round):
+    if not tf.executing_eagerly():
+        _OPEN_ROUNDS[tf.compat.v1.get_default_graph()] = sync_round
+
+
 class SyncReplicasOptimizer:
     """TF1's `SyncReplicasOptimizer` for TF2 ParameterServerStrategy.
 
@@ -345,6 +546,12 @@ class SyncReplicasOptimizer:
     * Chief init (`hook.after_create_session()`): local steps := global step,
       accumulator steps := global step, `num_tokens` (default
       `replicas_to_aggregate`) tokens.
+    * Several shim optimizers applied in the same traced step form one
+      round (unlike TF1): the first applied must be given `global_step`,
+      the others may pass `None` and join it; one token queue, one local
+      step per worker, one token per worker step (after every push), one
+      chief round applying each inner optimizer once and incrementing each
+      distinct global step once, tokens released once.
 
     Guarantees: the inner optimizer applies exactly once per round (never
     once per worker); each applied gradient is the mean of at least
@@ -426,15 +633,10 @@ class SyncReplicasOptimizer:
         self._use_locking = use_locking
         self._name = name
         self._gradients_applied = False
-        self._global_step = None
-        self._sync_token_queue = None
-        self._chief_queue_runner = None
-        self._local_steps = None
+        self._round = None
+        self._given_step = None
         self._states = []
         self._lock = threading.Lock()
-        self._round_fn = None
-        self._stop_flag = None
-        self._rounds = None
         self._strategy = tf.distribute.get_strategy()
 
     # Pass-throughs ---------------------------------------------------------
@@ -468,13 +670,16 @@ class SyncReplicasOptimizer:
 
     @property
     def local_steps(self):
-        """The int vector of every worker's local step (on the step's ps)."""
-        return self._local_steps
+        """The int vector of every worker's local step (on the step's ps).
+
+        Shared by every shim optimizer of the same round.
+        """
+        return None if self._round is None else self._round.local_steps
 
     @property
     def rounds(self):
         """An int64 variable counting chief rounds that applied."""
-        return self._rounds
+        return None if self._round is None else self._round.rounds
 
     # Worker side -----------------------------------------------------------
 
@@ -488,46 +693,38 @@ class SyncReplicasOptimizer:
                 return state
         state = _State(self, grads_and_vars)
         self._states.append(state)
-        self._round_fn = self._make_round_fn()
+        self._round.rebuild()
         return state
 
-    def _build_shared(self, global_step):
-        """The token queue, local steps and flags, once, eagerly."""
-        if self._sync_token_queue is not None:
-            if global_step is not self._global_step:
+    def _join_round(self, global_step):
+        """Joins (or starts) the round of the current traced step, once."""
+        if self._round is not None:
+            if global_step is not None and global_step is not self._given_step:
                 raise ValueError(
                     "This SyncReplicasOptimizer already uses another "
                     "global_step."
                 )
-            return
-        dtype = global_step.dtype.base_dtype
-        device = global_step.device
-        num_workers = max(
-            self._total_num_replicas,
-            getattr(self._strategy.extended, "_num_workers", 1),
-        )
-        with tf.init_scope():
-            current = global_step.read_value()
-            self._local_steps = _plain_variable(
-                tf.fill([num_workers], current),
-                device,
-                f"{self._name}_sync_rep_local_step",
-            )
-            with tf.device(device):
-                self._sync_token_queue = tf.queue.FIFOQueue(
-                    capacity=-1,
-                    dtypes=[dtype],
-                    shapes=[()],
-                    name=f"{self._name}_sync_token_q",
-                )
-            self._stop_flag = resource_variable_ops.ResourceVariable(
-                False, trainable=False, name=f"{self._name}_stop"
-            )
-            self._rounds = _plain_variable(
-                tf.constant(0, tf.int64), device, f"{self._name}_rounds"
-            )
-        self._global_step = global_step
-        self._chief_queue_runner = ChiefRunner(self)
+            if _open_round() is None:
+                _set_open_round(self._round)
+            return self._round
+        sync_round = _open_round()
+        if sync_round is None:
+            if global_step is None:
+                raise ValueError("Global step is required to check staleness")
+            sync_round = _Round(self, global_step)
+            _set_open_round(sync_round)
+        sync_round.add_member(self, global_step)
+        self._round = sync_round
+        self._given_step = global_step
+        return sync_round
+
+    @property
+    def _global_step(self):
+        return None if self._round is None else self._round.global_step
+
+    @property
+    def _sync_token_queue(self):
+        return None if self._round is None else self._round.token_queue
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         """Pushes this worker's gradients, then waits for one token.
@@ -535,6 +732,11 @@ class SyncReplicasOptimizer:
         Call inside `strategy.run` in a function scheduled on the
         coordinator. The first call (while tracing) creates the
         accumulators, the token queue and the local steps eagerly.
+
+        Several shim optimizers applied in the same traced step form one
+        round: the first one applied must be given `global_step`; the
+        others may pass `global_step=None` (or their own step variable)
+        and join it. The step then takes one token, after all the pushes.
 
         Args:
           grads_and_vars: `(gradient, variable)` pairs.
@@ -550,8 +752,6 @@ class SyncReplicasOptimizer:
         del name
         if not grads_and_vars:
             raise ValueError("Must supply at least one variable")
-        if global_step is None:
-            raise ValueError("Global step is required to check staleness")
         grads_and_vars = list(grads_and_vars)
         if not grads_and_vars:
             raise ValueError("No variables provided.")
@@ -560,36 +760,31 @@ class SyncReplicasOptimizer:
                 "No gradients provided for any variable: "
                 f"{[v.name for _, v in grads_and_vars]}."
             )
-        with self._lock, tf.init_scope():
-            self._build_shared(global_step)
-            state = self._state_for(grads_and_vars)
-        worker = strategy_lib.current_worker()
-        if worker is None:
-            worker = tf.constant(0, tf.int64)
-        local_step = tf.gather(self._local_steps, worker)
+        with self._lock:
+            sync_round = self._join_round(global_step)
+            with tf.init_scope():
+                state = self._state_for(grads_and_vars)
+        ctx = sync_round.step_context()
         pushes = []
         for (grad, _), acc in zip(grads_and_vars, state.accumulators):
             if acc is not None:
-                pushes.append(acc.apply(grad, local_step))
-        with tf.control_dependencies(pushes):
-            with tf.device(self._global_step.device):
-                token = self._sync_token_queue.dequeue()
+                pushes.append(acc.apply(grad, ctx.local_step))
         self._gradients_applied = True
-        update = self._local_steps.scatter_update(
-            tf.IndexedSlices(tf.reshape(token, [1]), tf.reshape(worker, [1]))
-        )
-        with tf.control_dependencies([update]):
-            return tf.identity(token)
+        return sync_round.finish_step(ctx, pushes)
 
     # Chief side ------------------------------------------------------------
 
-    def _inner_apply(self, grads_and_vars):
+    def _inner_apply(self, grads_and_vars, global_step):
         opt = self._opt
         strategy = self._strategy
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
-        global_step = self._global_step
         with strategy.scope(), aggregation.sync_apply_scope():
             if isinstance(opt, tf.compat.v1.train.Optimizer):
+                # Each apply appends to this (round) graph's TRAIN_OP and
+                # compares with `==`, which fails on a previous member's
+                # variable-valued update: start each one empty.
+                key = tf.compat.v1.GraphKeys.TRAIN_OP
+                del tf.compat.v1.get_collection_ref(key)[:]
                 return opt._distributed_apply(
                     strategy, grads_and_vars, global_step
                 )
@@ -610,73 +805,17 @@ class SyncReplicasOptimizer:
                     strategy, grads_and_vars
                 )
             iterations = getattr(opt, "iterations", None)
-            if iterations is global_step:
+            if global_step is None or iterations is global_step:
                 return update
             deps = [update] if update is not None else []
             with tf.control_dependencies(deps):
                 return global_step.assign_add(1, read_value=False)
 
-    def _make_round_fn(self):
-        states = list(self._states)
-        rta = self._replicas_to_aggregate
-
-        @tf.function
-        def sync_round():
-            grads_and_vars = []
-            for state in states:
-                for var, acc in zip(state.variables, state.accumulators):
-                    grad = acc.take(rta) if acc is not None else None
-                    grads_and_vars.append((grad, var))
-            taken = [
-                t
-                for g, _ in grads_and_vars
-                if g is not None
-                for t in tf.nest.flatten(g, expand_composites=True)
-            ]
-
-            def apply():
-                update = self._inner_apply(grads_and_vars)
-                with tf.control_dependencies(
-                    [update] if update is not None else []
-                ):
-                    step = self._global_step.read_value()
-                    with tf.device(self._global_step.device):
-                        release = self._sync_token_queue.enqueue_many(
-                            [tf.fill([self._tokens_per_step], step)]
-                        )
-                ops = [release]
-                if self._variable_averages is not None:
-                    with tf.control_dependencies([release]):
-                        ops.append(
-                            self._variable_averages.apply(
-                                self._variables_to_average
-                            )
-                        )
-                with tf.control_dependencies(ops):
-                    return self._rounds.assign_add(1, read_value=False)
-
-            with tf.control_dependencies(taken):
-                stop = self._stop_flag.read_value()
-            with tf.control_dependencies(taken):
-                tf.cond(stop, tf.no_op, apply)
-
-        return sync_round
-
-    def _chief_init(self):
-        step = self._global_step.read_value()
-        self._local_steps.assign(tf.fill(tf.shape(self._local_steps), step))
-        for acc in self._accumulators():
-            acc.set_global_step(step)
-
-    def _local_step_init(self):
-        step = self._global_step.read_value()
-        self._local_steps.assign(tf.fill(tf.shape(self._local_steps), step))
-
     def get_chief_queue_runner(self):
         """The `ChiefRunner` (start()/stop()) running the sync rounds."""
         if not self._gradients_applied:
             raise ValueError("Should be called after apply_gradients().")
-        return self._chief_queue_runner
+        return self._round.runner
 
     def get_init_tokens_op(self, num_tokens=-1):
         """A callable that enqueues `num_tokens` tokens of `global_step`.
