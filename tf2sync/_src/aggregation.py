@@ -290,22 +290,15 @@ class Aggregator:
         ]
         sparse = [_dedup(by_key[_key(s.variable)]) for s in layout.sparse]
 
-        def accept():
-            step = self.global_step.read_value()
-            reset = tf.cond(
-                tf.equal(self.acc_step.read_value(), step),
-                tf.no_op,
-                lambda: self._discard(step),
-            )
-            with tf.control_dependencies([reset]):
-                adds = [
-                    g.buffer.assign_add(p, read_value=False)
-                    for g, p in zip(layout.dense, packed)
-                ]
-                adds += [
-                    s.queue.enqueue([idx, val])
-                    for s, (idx, val) in zip(layout.sparse, sparse)
-                ]
+        def accumulate():
+            adds = [
+                g.buffer.assign_add(p, read_value=False)
+                for g, p in zip(layout.dense, packed)
+            ]
+            adds += [
+                s.queue.enqueue([idx, val])
+                for s, (idx, val) in zip(layout.sparse, sparse)
+            ]
             with tf.control_dependencies(adds):
                 self.accepted.assign_add(1, read_value=False)
                 _count_worker(self.accepted_per_worker, worker)
@@ -315,6 +308,14 @@ class Aggregator:
                 lambda: self._apply(count),
                 lambda: tf.constant(False),
             )
+
+        def discard_then_accumulate():
+            # The accumulators hold pushes of another step (a checkpoint
+            # was restored): drop them first. Rare.
+            with tf.control_dependencies(
+                [self._discard(self.global_step.read_value())]
+            ):
+                return accumulate()
 
         def reject():
             with tf.control_dependencies(
@@ -334,20 +335,28 @@ class Aggregator:
             with tf.control_dependencies(ops):
                 return tf.constant(False)
 
-        def decide():
-            fresh = tag >= self.global_step.read_value()
-            if finite is None:
-                return tf.cond(fresh, accept, reject)
-            return tf.cond(
-                fresh, lambda: tf.cond(finite, accept, nonfinite), reject
-            )
-
         def body():
-            if waited is None:
-                return decide()
-            add = self.wait_seconds.assign_add(waited, read_value=False)
-            with tf.control_dependencies([add]):
-                return decide()
+            # One switch, not nested conds: each cond level costs a
+            # measurable share of a small model's step.
+            step = self.global_step.read_value()
+            fresh = tag >= step
+            same_step = tf.equal(self.acc_step.read_value(), step)
+            ok = tf.constant(True) if finite is None else finite
+            branch = tf.where(
+                fresh,
+                tf.where(ok, tf.where(same_step, 1, 3), 2),
+                0,
+            )
+            ops = []
+            if waited is not None:
+                ops.append(
+                    self.wait_seconds.assign_add(waited, read_value=False)
+                )
+            with tf.control_dependencies(ops):
+                return tf.switch_case(
+                    branch,
+                    [reject, accumulate, nonfinite, discard_then_accumulate],
+                )
 
         with tf.device(self.device):
             return self._cs.execute(body)

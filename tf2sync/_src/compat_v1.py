@@ -561,15 +561,13 @@ class SyncReplicasOptimizer:
     worker wastes one step after (re)start.
 
     Requirements: a `tf2sync.SyncParameterServerStrategy` with no
-    `tf2sync.SyncOptimizer` and `strategy._tf2sync_worker_ids = True` set
-    before its `ClusterCoordinator` is created; construct this optimizer and
-    every variable under `strategy.scope()`.
+    `tf2sync.SyncOptimizer`; construct this optimizer and every variable
+    under `strategy.scope()`.
 
     Example::
 
         strategy = tf2sync.SyncParameterServerStrategy(
             resolver, replicas_to_aggregate=2)
-        strategy._tf2sync_worker_ids = True
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
             w = tf.Variable(0.0)
@@ -638,6 +636,9 @@ class SyncReplicasOptimizer:
         self._states = []
         self._lock = threading.Lock()
         self._strategy = tf.distribute.get_strategy()
+        # Local steps are per worker: have the strategy's coordinator pass
+        # each scheduled step its worker's index (read at schedule time).
+        self._strategy._tf2sync_worker_ids = True
 
     # Pass-throughs ---------------------------------------------------------
 

@@ -342,8 +342,10 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             return self._aggregator.push(
                 tag, grads_and_vars, waited=waited, worker=worker
             )
-        finite = tf.reduce_all(
-            [tf.reduce_all(tf.math.is_finite(v)) for v in values]
+        # One scalar: a sum is non-finite iff a term is (or it overflows,
+        # which is worth dropping too).
+        finite = tf.math.is_finite(
+            tf.add_n([tf.reduce_sum(tf.cast(v, tf.float32)) for v in values])
         )
         return self._aggregator.push(
             tag, grads_and_vars, finite=finite, waited=waited, worker=worker
