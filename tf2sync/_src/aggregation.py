@@ -242,20 +242,20 @@ class Aggregator:
             waited = tf.timestamp() - start
         return tag, waited
 
-    def metrics(self):
-        """Totals on the ps, as tensors: the sync metrics of the logs."""
-        with tf.device(self.device):
-            metrics = {
-                "sync_steps": self.global_step.read_value(),
-                "stale_dropped": self.stale_dropped.read_value(),
-                "nonfinite_dropped": self.nonfinite_dropped.read_value(),
-                "barrier_wait_s": self.wait_seconds.read_value(),
-            }
-            accepted = tf.unstack(self.accepted_per_worker.read_value())
-            stale = tf.unstack(self.stale_per_worker.read_value())
-        for i in range(self.num_workers):
-            metrics[f"accepted_w{i}"] = accepted[i]
-            metrics[f"stale_w{i}"] = stale[i]
+    def metrics_from(self, stats):
+        """The sync metrics of the logs, from the counters a push returned."""
+        counts, waited = stats
+        values = tf.unstack(counts)
+        n = self.num_workers
+        metrics = {
+            "sync_steps": values[0],
+            "stale_dropped": values[1],
+            "nonfinite_dropped": values[2],
+            "barrier_wait_s": waited,
+        }
+        for i in range(n):
+            metrics[f"accepted_w{i}"] = values[3 + i]
+            metrics[f"stale_w{i}"] = values[3 + n + i]
         return metrics
 
     def give_back(self, after):
@@ -264,7 +264,13 @@ class Aggregator:
             return self._tokens.enqueue(tf.constant(0, tf.int64))
 
     def push(self, tag, grads_and_vars, finite=None, waited=None, worker=None):
-        """Pushes one replica's gradients; returns True iff it applied.
+        """Pushes one replica's gradients.
+
+        Returns `(applied, counts, waited_total)`: True iff this push
+        completed a step; then, read on the ps right after it, the counters
+        `[global step, stale, non-finite, accepted per worker..., stale per
+        worker...]` and the total barrier wait. They ride back with the
+        push's answer, so the logs cost no extra round trip.
 
         Args:
           tag: The step tag from `acquire`.
@@ -353,10 +359,26 @@ class Aggregator:
                     self.wait_seconds.assign_add(waited, read_value=False)
                 )
             with tf.control_dependencies(ops):
-                return tf.switch_case(
+                applied = tf.switch_case(
                     branch,
                     [reject, accumulate, nonfinite, discard_then_accumulate],
                 )
+            with tf.control_dependencies([applied]):
+                counts = tf.concat(
+                    [
+                        tf.stack(
+                            [
+                                self.global_step.read_value(),
+                                self.stale_dropped.read_value(),
+                                self.nonfinite_dropped.read_value(),
+                            ]
+                        ),
+                        self.accepted_per_worker.read_value(),
+                        self.stale_per_worker.read_value(),
+                    ],
+                    axis=0,
+                )
+                return applied, counts, self.wait_seconds.read_value()
 
         with tf.device(self.device):
             return self._cs.execute(body)

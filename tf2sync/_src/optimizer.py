@@ -313,12 +313,10 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             )
         step.pushed = True
         context = tf.distribute.get_replica_context()
-        return context.merge_call(
-            self._push,
-            args=(step.tag, grads_and_vars, step.waited, step.worker),
-        )
+        return context.merge_call(self._push, args=(step, grads_and_vars))
 
-    def _push(self, strategy, tag, grads_and_vars, waited=None, worker=None):
+    def _push(self, strategy, step, grads_and_vars):
+        tag, waited, worker = step.tag, step.waited, step.worker
         grads_and_vars = [
             (_sum_local(strategy, g), v) for g, v in grads_and_vars
         ]
@@ -339,17 +337,21 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             ]
             with tf.control_dependencies(checks):
                 tag = tf.identity(tag)
-            return self._aggregator.push(
+            applied, *stats = self._aggregator.push(
                 tag, grads_and_vars, waited=waited, worker=worker
             )
+            step.stats = tuple(stats)
+            return applied
         # One scalar: a sum is non-finite iff a term is (or it overflows,
         # which is worth dropping too).
         finite = tf.math.is_finite(
             tf.add_n([tf.reduce_sum(tf.cast(v, tf.float32)) for v in values])
         )
-        return self._aggregator.push(
+        applied, *stats = self._aggregator.push(
             tag, grads_and_vars, finite=finite, waited=waited, worker=worker
         )
+        step.stats = tuple(stats)
+        return applied
 
     def _apply_aggregated(self, grads_and_vars):
         return keras_compat.apply(self._optimizer, grads_and_vars)

@@ -29,6 +29,7 @@ class StepContext:
         self.waited = waited
         self.worker = worker
         self.pushed = False
+        self.stats = None  # set by the push: counters read on the ps
 
 
 def current_step():
@@ -309,16 +310,11 @@ class SyncParameterServerStrategy(
             step.pushed
             and _is_keras_train_step(fn)
             and isinstance(result, dict)
+            and step.stats is not None
         ):
             # model.fit: the sync totals join the logs (History, progress
-            # line, TensorBoard), read after this step's push.
-            outputs = [
-                t
-                for t in tf.nest.flatten(result, expand_composites=True)
-                if isinstance(t, tf.Tensor)
-            ]
-            with tf.control_dependencies(outputs):
-                result = dict(result, **aggregator.metrics())
+            # line, TensorBoard), as the push read them on the ps.
+            result = dict(result, **aggregator.metrics_from(step.stats))
         if not step.pushed:
             outputs = [
                 t
