@@ -51,7 +51,6 @@ def train(steps):
     strategy = tf2sync.SyncParameterServerStrategy(
         resolver, replicas_to_aggregate=NUM_WORKERS
     )
-    strategy._tf2sync_worker_ids = True  # current_worker() in the step
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():
         global_step = tf.Variable(0, dtype=tf.int64, trainable=False)
