@@ -48,6 +48,11 @@ class ChildError(RuntimeError):
         self.fatal = fatal
 
 
+# pick_free_ports and wait_for_port repeat tf2sync/_src/{cluster,processes}.py
+# on purpose: importing anything from tf2sync imports TensorFlow, which the
+# harness's parent process never does.
+
+
 def pick_free_ports(count: int) -> list[int]:
     """Returns `count` distinct TCP ports free on 127.0.0.1 right now."""
     sockets = []
