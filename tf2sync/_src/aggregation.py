@@ -219,7 +219,8 @@ class Aggregator:
     def build(self, grads_and_vars) -> None:
         """Creates the accumulators for these gradient types, eagerly."""
         if self._layout is None:
-            self._layout = _Layout(grads_and_vars, self._name)
+            with tf.init_scope():  # eagerly, even when called while tracing
+                self._layout = _Layout(grads_and_vars, self._name)
         elif not self._layout.matches(grads_and_vars):
             raise ValueError(
                 "SyncOptimizer was built for another list of variables (or "

@@ -51,13 +51,13 @@ def server_config(num_workers: int) -> tf.compat.v1.ConfigProto:
     return config
 
 
-_STARTED = []
+_SERVERS = []  # in-process servers live as long as the process
+_SPECS = []  # cluster dicts, the latest last
 
 
 def latest_local_cluster_spec():
     """The cluster dict of the latest `local_cluster` of this process."""
-    specs = [s for s in _STARTED if isinstance(s, dict)]
-    return specs[-1] if specs else None
+    return _SPECS[-1] if _SPECS else None
 
 
 def local_cluster(num_workers: int = 2, num_ps: int = 1):
@@ -84,10 +84,10 @@ def local_cluster(num_workers: int = 2, num_ps: int = 1):
     spec_dict = cluster_spec_dict(num_workers, num_ps)
     spec = tf.train.ClusterSpec(spec_dict)
     config = server_config(num_workers)
-    _STARTED.append(spec_dict)  # the latest cluster comes last
+    _SPECS.append(spec_dict)
     for job in ("worker", "ps"):
         for index in range(len(spec_dict[job])):
-            _STARTED.append(
+            _SERVERS.append(
                 tf.distribute.Server(
                     spec,
                     job_name=job,

@@ -116,11 +116,6 @@ def is_legacy(optimizer) -> bool:
     return isinstance(optimizer, _LEGACY)
 
 
-def iterations(optimizer) -> tf.Variable:
-    """The inner optimizer's step counter, created now if still lazy."""
-    return optimizer.iterations
-
-
 def build(optimizer, var_list) -> None:
     """Creates every slot and hyperparameter variable of `optimizer` eagerly.
 
@@ -153,19 +148,17 @@ def build(optimizer, var_list) -> None:
                 optimizer._compute_current_learning_rate()
 
 
-def apply(optimizer, grads_and_vars, apply_state=None) -> tf.Operation:
+def apply(optimizer, grads_and_vars) -> tf.Operation:
     """Applies already-aggregated gradients once and increments `iterations`.
 
     Args:
       optimizer: The inner tf_keras optimizer, already built.
       grads_and_vars: `(gradient, variable)` pairs; a gradient may be a
         dense tensor or a deduplicated `tf.IndexedSlices`.
-      apply_state: Unused; reserved for per-group state.
 
     Returns:
       An op that runs after every variable update and the increment.
     """
-    del apply_state
     grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
     if hasattr(optimizer, "apply_aggregated"):  # tf2sync.MultiOptimizer
         return optimizer.apply_aggregated(grads_and_vars)

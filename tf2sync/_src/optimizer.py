@@ -117,7 +117,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         self._track_trackable(optimizer, "inner_optimizer")
         self._strategy = strategy
         with strategy.scope():
-            global_step = keras_compat.iterations(optimizer)
+            global_step = optimizer.iterations  # created now if lazy
         self._aggregator = aggregation.Aggregator(
             strategy._sync_config,
             global_step,
@@ -321,8 +321,6 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             (_sum_local(strategy, g), v) for g, v in grads_and_vars
         ]
         self.build([v for _, v in grads_and_vars])
-        with tf.init_scope():
-            self._aggregator.build(grads_and_vars)
         values = [
             g.values if isinstance(g, tf.IndexedSlices) else g
             for g, _ in grads_and_vars

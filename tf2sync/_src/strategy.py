@@ -123,7 +123,8 @@ class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
 _UNWRAPPED_MESSAGE = (
     "A plain optimizer is updating variables under "
     "SyncParameterServerStrategy, which would train asynchronously. Wrap it: "
-    "`optimizer=tf2sync.SyncOptimizer({})` under `strategy.scope()`."
+    "`optimizer=tf2sync.SyncOptimizer(<your optimizer>)` under "
+    "`strategy.scope()`."
 )
 
 
@@ -156,7 +157,7 @@ class _SyncExtended(
 
     def _update(self, var, fn, args, kwargs, group):
         if tf.inside_function() and not aggregation.in_sync_apply():
-            raise TypeError(_UNWRAPPED_MESSAGE.format("<your optimizer>"))
+            raise TypeError(_UNWRAPPED_MESSAGE)
         return super()._update(var, fn, args, kwargs, group)
 
 
