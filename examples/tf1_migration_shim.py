@@ -10,8 +10,10 @@ worker `train_op = tf.group(*train_ops)`, one hook per optimizer. Ported:
   join A's round (TF1 rejected that; see docs/migrating.md): the three
   optimizers form one round, each worker step takes one token after all
   its pushes, and `global_step` rises by 1 per round;
-* each hook's `begin()` / `after_create_session()` runs once before
-  training (the first one initializes the shared round), `end()` after.
+* the hooks go: the coordinator starts the chief's part (seeds the steps,
+  enqueues the initial tokens, starts the round thread) before the first
+  scheduled step runs. TF1's `hook.begin()` / `after_create_session()`
+  still work if a codebase keeps them.
 
 Run: python examples/tf1_migration_shim.py [--steps 10] [--json]
 """
@@ -91,19 +93,10 @@ def train(steps):
         return strategy.run(replica, args=(x, y))
 
     data = shards()
-    coordinator.schedule(step, args=data[0])  # traces, builds the state
-    hooks = [o.make_session_run_hook(is_chief=True) for o in opts.values()]
-    for hook in hooks:
-        hook.begin()
-        hook.after_create_session()
-    coordinator.schedule(step, args=data[1])
-    coordinator.join()
-    for _ in range(steps - 1):
+    for _ in range(steps):
         for x, y in data:
             coordinator.schedule(step, args=(x, y))
         coordinator.join()
-    for hook in hooks:
-        hook.end()
     return {
         "w_a": w_a.numpy().tolist(),
         "w_b": w_b.numpy().tolist(),

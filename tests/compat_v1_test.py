@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -29,12 +30,15 @@ ROOT = os.path.dirname(HERE)
 class _Harness:
     """TF's `get_workers` fixture: v0/global_step on ps0, v1/v_sparse on ps1."""
 
-    def __init__(self, rta, total, num_tokens=-1, inner=None, ema=None):
+    def __init__(
+        self, rta, total, num_tokens=-1, inner=None, ema=None, timeout=60.0
+    ):
         self.strategy = testutil.strategy(
             NUM_WORKERS,
             NUM_PS,
             replicas_to_aggregate=rta,
             total_num_replicas=total,
+            token_timeout=timeout,
         )
         self.strategy._tf2sync_worker_ids = True
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
@@ -251,13 +255,17 @@ class MultiOptimizerTest(absltest.TestCase):
             out.append([v[0], v[1], [3.0, v[2]]])
         return out
 
-    def _check(self, given):
+    def _check(self, given, hooks=True):
         h = self.harness = _MultiHarness(given)
-        h.start()
+        if hooks:
+            h.start()
+            self.assertEqual(int(h.opt._sync_token_queue.size()), 2)
+        else:  # the coordinator starts the round before the first step
+            h.trace()
+            self.assertFalse(h.opt._round.started)
         expected = self._expected(2)
         # One token queue, local steps and round for all three.
         self.assertLen({id(o._round) for o in h.opts}, 1)
-        self.assertEqual(int(h.opt._sync_token_queue.size()), 2)
 
         # Phase 1: sequential, the initial tokens let both pass.
         self.assertEqual(h.run(0), 0)
@@ -297,6 +305,13 @@ class MultiOptimizerTest(absltest.TestCase):
 
     def test_all_given_the_same_global_step(self):
         self._check([True, True, True])
+
+    def test_only_a_later_optimizer_given_global_step(self):
+        self._check([False, True, False])
+
+    def test_no_hook_called(self):
+        self._check([False, False, True], hooks=False)
+        self.assertTrue(self.harness.opt._round.started)
 
     def test_no_global_step_in_the_step(self):
         h = self.harness = _MultiHarness([False, False, False])
@@ -493,6 +508,30 @@ class SyncReplicasTest(absltest.TestCase):
         # Once per round: v0 moves by lr * mean(g0) per round, not per push.
         self.assertAlmostEqual(float(h.v0.numpy()), -0.4 * applied, places=4)
 
+    def test_tokens_lost_with_a_dead_worker_are_released(self):
+        h = self.harness = _Harness(rta=2, total=2, num_tokens=2, timeout=2.0)
+        h.start()
+        # Another worker took both tokens and died: nobody can pass now.
+        for _ in range(2):
+            h.opt._sync_token_queue.dequeue()
+        result = h.schedule(0)  # pushes, then waits for a token
+        done = threading.Event()
+        threading.Thread(
+            target=lambda: (h.coordinator.join(), done.set()), daemon=True
+        ).start()
+        self.assertTrue(done.wait(60), "the step hung on the lost tokens")
+        # One token is needed; two if the watchdog fired before the push
+        # landed (a slow first dispatch): surplus tokens are safe.
+        self.assertBetween(h.opt._round.watchdog.released, 1, 2)
+        # The released token carries the current global step; the push
+        # waits in the accumulator for the round's second gradient.
+        self.assertEqual(int(result.fetch()), 0)
+        self.assertEqual(int(h.global_step.numpy()), 0)
+        self.assertEqual(int(h.opt._accumulators()[0].num_accumulated()), 1)
+        h.run(1)
+        h.wait_global_step(1)
+        self.assertAlmostEqual(float(h.v0.numpy()), -0.4, places=5)
+
     def test_errors(self):
         opt = compat_v1.SyncReplicasOptimizer(
             tf.compat.v1.train.GradientDescentOptimizer(1.0), 1, 1
@@ -686,6 +725,80 @@ def _numpy_momentum(example, updates):
             acc[k] = example.MOMENTUM * acc[k] + g
             w[k] = w[k] - example.LR * scale * acc[k]
     return w
+
+
+class FitTest(absltest.TestCase):
+    """`model.compile(optimizer=SyncReplicasOptimizer(...))`, no hooks.
+
+    Every worker sees the same full batch, so any accepted gradient is the
+    full-batch gradient at the current weights, and U rounds must give the
+    weights of U single-process full-batch steps of TF1's momentum.
+    """
+
+    LR, MOMENTUM = 0.1, 0.9
+
+    def _fit(self, rta, total, epochs, steps, spe):
+        strategy = testutil.strategy(
+            NUM_WORKERS,
+            NUM_PS,
+            replicas_to_aggregate=rta,
+            total_num_replicas=total,
+            token_timeout=5.0,
+        )
+        x, y = testutil.data("dense", 16)
+        dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+        with strategy.scope():
+            model = testutil.dense_model()
+            initial = model.get_weights()
+            opt = compat_v1.SyncReplicasOptimizer(
+                tf.compat.v1.train.MomentumOptimizer(self.LR, self.MOMENTUM),
+                replicas_to_aggregate=rta,
+                total_num_replicas=total,
+            )
+            model.compile(
+                optimizer=opt, loss=testutil.LOSS, steps_per_execution=spe
+            )
+        history = model.fit(
+            dataset, epochs=epochs, steps_per_epoch=steps, verbose=0
+        )
+        rounds = int(opt.rounds.numpy())
+        return model, initial, opt, rounds, history
+
+    def _reference(self, initial, updates):
+        model = testutil.dense_model()
+        model.set_weights(initial)
+        opt = tf.compat.v1.train.MomentumOptimizer(self.LR, self.MOMENTUM)
+        x, y = testutil.data("dense", 16)
+        for _ in range(updates):
+            with tf.GradientTape() as tape:
+                loss = testutil.LOSS(y, model(x))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        return model.get_weights()
+
+    def _check(self, rta, total, epochs=2, steps=12, spe=1):
+        model, initial, opt, rounds, history = self._fit(
+            rta, total, epochs, steps, spe
+        )
+        iterations = int(model.optimizer.iterations.numpy())
+        # The model's step counter is TF1's global_step: +1 per round.
+        self.assertEqual(iterations, rounds)
+        worker_steps = epochs * steps
+        # Each round takes `rta` fresh gradients: at most one per step.
+        self.assertBetween(rounds, worker_steps // (2 * rta), worker_steps)
+        for got, want in zip(
+            model.get_weights(), self._reference(initial, rounds)
+        ):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        self.assertLen(history.history["loss"], epochs)
+        self.assertLess(history.history["loss"][-1], history.history["loss"][0])
+        return rounds
+
+    def test_fit_all_workers(self):
+        self._check(rta=3, total=3)
+
+    def test_fit_with_a_backup_worker_and_steps_per_execution(self):
+        self._check(rta=2, total=3, steps=10, spe=5)
 
 
 class ExampleTest(absltest.TestCase):

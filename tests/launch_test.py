@@ -240,6 +240,31 @@ class LaunchTest(parameterized.TestCase):
         self.assertIn("TF_CONFIG is not valid JSON", out.stderr)
 
 
+class Tf1ShimFlagTest(absltest.TestCase):
+    """`--sync_optimizer=tf1_shim` refuses what the shim cannot train."""
+
+    def test_groups_and_mixed_precision_are_refused(self):
+        import fault_job
+
+        from tf2sync._src import chief
+        from tf2sync._src.jobs import digits
+
+        shim = chief.ChiefConfig(sync_optimizer="tf1_shim")
+        with self.assertRaisesRegex(
+            ValueError,
+            "--sync_optimizer=tf1_shim trains one variable group, but the "
+            "job tf2sync._src.jobs.digits defines optimizer_groups",
+        ):
+            chief.sync_optimizer(digits, shim, 2, 2)
+        mixed = chief.ChiefConfig(
+            sync_optimizer="tf1_shim", mixed_precision="mixed_float16"
+        )
+        with self.assertRaisesRegex(
+            ValueError, "Received: --mixed_precision=mixed_float16"
+        ):
+            chief.sync_optimizer(fault_job, mixed, 2, 2)
+
+
 class PublicAddressWarningTest(absltest.TestCase):
     """The check only reads the host list: nothing is contacted."""
 

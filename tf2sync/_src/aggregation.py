@@ -40,6 +40,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
+from tf2sync._src import watchdog
+
 _STATE = threading.local()
 
 
@@ -215,6 +217,21 @@ class Aggregator:
     def tokens_available(self) -> int:
         with tf.init_scope(), tf.device(self.device):
             return int(self._tokens.size())
+
+    def watch_state(self) -> watchdog.WatchState:
+        """The `watchdog.WatchState` of this barrier, read eagerly."""
+        step = int(self.global_step.numpy())
+        return watchdog.WatchState(
+            progress=(
+                step,
+                int(self.accepted.numpy()),
+                int(self.stale_dropped.numpy()),
+            ),
+            step=step,
+            tokens=self.tokens_available(),
+            pending=int(self.count.numpy()),
+            required=self.config.replicas_to_aggregate,
+        )
 
     def build(self, grads_and_vars) -> None:
         """Creates the accumulators for these gradient types, eagerly."""

@@ -27,6 +27,7 @@ class ChiefConfig:
     learning_rate: float = 0.01
     momentum: float = 0.9
     mixed_precision: str = "float32"
+    sync_optimizer: str = "tf2sync"
     token_timeout: float | None = 60.0
     checkpoint_dir: str | None = None
     model_log_dir: str | None = None
@@ -47,6 +48,37 @@ def inner_optimizer(job, config: ChiefConfig):
         print(f"tf2sync: group {description!r} learning_rate={rate:g}")
     return tf2sync.MultiOptimizer(
         groups={predicate: sgd(rate) for _, predicate, rate in groups}
+    )
+
+
+def sync_optimizer(job, config: ChiefConfig, rta: int, total: int):
+    """The optimizer to compile with, as `config.sync_optimizer` says.
+
+    Raises:
+      ValueError: If the TF1 shim is asked for with variable groups or a
+        mixed precision policy, which it does not support.
+    """
+    import tf2sync
+
+    if config.sync_optimizer == "tf2sync":
+        return tf2sync.SyncOptimizer(inner_optimizer(job, config))
+    if hasattr(job, "optimizer_groups"):
+        raise ValueError(
+            "--sync_optimizer=tf1_shim trains one variable group, but the "
+            f"job {job.__name__} defines optimizer_groups(): use "
+            "--sync_optimizer=tf2sync, or a job without groups."
+        )
+    if config.mixed_precision != "float32":
+        raise ValueError(
+            "--sync_optimizer=tf1_shim supports float32 only. Received: "
+            f"--mixed_precision={config.mixed_precision}"
+        )
+    return tf2sync.compat.v1.SyncReplicasOptimizer(
+        tf.compat.v1.train.MomentumOptimizer(
+            config.learning_rate, config.momentum
+        ),
+        replicas_to_aggregate=rta,
+        total_num_replicas=total,
     )
 
 
@@ -111,7 +143,7 @@ def _train_once(resolver, job, config: ChiefConfig):
     )
     with strategy.scope():
         model = job.build_model()
-        optimizer = tf2sync.SyncOptimizer(inner_optimizer(job, config))
+        optimizer = sync_optimizer(job, config, rta, total)
         model.compile(
             optimizer=optimizer,
             loss=job.LOSS,
@@ -131,7 +163,8 @@ def _train_once(resolver, job, config: ChiefConfig):
     data = tf.keras.utils.experimental.DatasetCreator(
         lambda ctx: job.train_dataset(ctx, batch)
     )
-    callbacks = [tf2sync.SyncMetrics(batch_size=batch)]
+    shim = config.sync_optimizer == "tf1_shim"
+    callbacks = [] if shim else [tf2sync.SyncMetrics(batch_size=batch)]
     initial_epoch = 0
     if config.checkpoint_dir:
         saver = checkpointing.EpochCheckpoint(
@@ -152,11 +185,28 @@ def _train_once(resolver, job, config: ChiefConfig):
         callbacks=callbacks,
     )
     seconds = time.monotonic() - start
+    if shim:  # stop the shim's round thread before the cluster goes
+        optimizer.make_session_run_hook(is_chief=True).end()
     x, y = job.eval_arrays()
     local = job.build_model()
     local.set_weights(model.get_weights())
     local.compile(loss=job.LOSS, metrics=list(job.METRICS))
     _, accuracy = local.evaluate(x, y, verbose=0)
+    if shim:
+        # TF1's global step (the checkpointed `optimizer.iterations`) counts
+        # every update of this run and of the runs it resumed; the shim does
+        # not count stale gradients (TF1 drops them silently).
+        totals = {
+            "accuracy": float(accuracy),
+            "sync_steps_applied": int(model.optimizer.iterations.numpy()),
+            "seconds": round(seconds, 2),
+        }
+        print(
+            f"accuracy={totals['accuracy']:.4f} "
+            f"sync_steps_applied={totals['sync_steps_applied']}",
+            flush=True,
+        )
+        return totals
     counts = callbacks_lib.sync_totals(optimizer)
     totals = {
         "accuracy": float(accuracy),

@@ -4,309 +4,25 @@ A migration shim: TF1 programs written against
 `tf.compat.v1.train.SyncReplicasOptimizer` keep their calls
 (`apply_gradients(grads_and_vars, global_step)`, `make_session_run_hook`,
 `get_init_tokens_op`, ...) and their numbers, but run on
-`tf2sync.SyncParameterServerStrategy` with a `ClusterCoordinator`. See
-docs/migrating.md.
+`tf2sync.SyncParameterServerStrategy` with a `ClusterCoordinator`, in a
+custom loop or in `model.fit`. See docs/migrating.md. The accumulators are
+in `compat_v1_accumulators.py`, the round the optimizers of one step share
+in `compat_v1_round.py`.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-import weakref
 
 import tensorflow as tf
 from absl import logging
-from tensorflow.python.ops import resource_variable_ops
 
 from tf2sync._src import aggregation
-from tf2sync._src import strategy as strategy_lib
+from tf2sync._src import compat_v1_accumulators as accumulators
+from tf2sync._src import compat_v1_round as round_lib
 
 _UIDS = itertools.count()
-# Per traced graph: the `_Round` started there, and each round's step context.
-_OPEN_ROUNDS = weakref.WeakKeyDictionary()
-_STEP_CONTEXTS = weakref.WeakKeyDictionary()
-
-
-def _plain_variable(initial_value, device, name, dtype=None):
-    """A resource variable on `device`, outside any strategy's creator."""
-    with tf.init_scope(), tf.device(device):
-        return resource_variable_ops.ResourceVariable(
-            initial_value, trainable=False, name=name, dtype=dtype
-        )
-
-
-class _DenseAccumulator:
-    """TF's own `ConditionalAccumulator` kernel (MEAN) on the variable's ps."""
-
-    def __init__(self, var, shared_name):
-        self.var = var
-        self.dtype = var.dtype.base_dtype
-        with tf.init_scope(), tf.device(var.device):
-            self.handle = tf.raw_ops.ResourceConditionalAccumulator(
-                dtype=self.dtype,
-                shape=var.shape,
-                shared_name=shared_name,
-                reduction_type="MEAN",
-            )
-
-    def apply(self, grad, local_step):
-        with tf.device(self.var.device):
-            return tf.raw_ops.ResourceAccumulatorApplyGradient(
-                handle=self.handle,
-                local_step=tf.cast(local_step, tf.int64),
-                gradient=tf.convert_to_tensor(grad, self.dtype),
-            )
-
-    def take(self, num_required):
-        with tf.device(self.var.device):
-            return tf.raw_ops.ResourceAccumulatorTakeGradient(
-                handle=self.handle,
-                num_required=num_required,
-                dtype=self.dtype,
-            )
-
-    def num_accumulated(self):
-        """Gradients accepted since the last take."""
-        with tf.device(self.var.device):
-            return tf.raw_ops.ResourceAccumulatorNumAccumulated(
-                handle=self.handle
-            )
-
-    def set_global_step(self, step):
-        with tf.device(self.var.device):
-            return tf.raw_ops.ResourceAccumulatorSetGlobalStep(
-                handle=self.handle,
-                new_global_step=tf.cast(step, tf.int64),
-            )
-
-    def unblock(self, num):
-        """Pushes `num` zero gradients that any accumulator step accepts."""
-        for _ in range(num):
-            self.apply(tf.zeros(self.var.shape, self.dtype), tf.int64.max)
-
-
-class _SparseAccumulator:
-    """TF1's `SparseConditionalAccumulator` semantics, with resource ops.
-
-    The sparse kernel is ref-typed only, so this keeps a queue of
-    `(indices, values)` pushes on the variable's ps, an accumulator step and
-    a critical section: a push is accepted iff its local step is at least
-    the accumulator step; a take waits for `num_required` pushes, also takes
-    any that arrived since, bumps the accumulator step and returns the
-    per-row mean (each row divided by the number of pushes containing it;
-    rows are deduplicated inside a push first).
-    """
-
-    def __init__(self, var, name):
-        self.var = var
-        self.dtype = var.dtype.base_dtype
-        with tf.init_scope(), tf.device(var.device):
-            self.queue = tf.queue.FIFOQueue(
-                capacity=-1,
-                dtypes=[tf.int64, self.dtype],
-                name=f"{name}_sparse_q",
-            )
-            self.section = tf.CriticalSection(name=f"{name}_sparse_cs")
-        self.step = _plain_variable(
-            tf.constant(0, tf.int64), var.device, f"{name}_sparse_step"
-        )
-
-    def apply(self, grad, local_step):
-        indices = tf.cast(grad.indices, tf.int64)
-        values = tf.convert_to_tensor(grad.values, self.dtype)
-        unique, position = tf.unique(indices)
-        summed = tf.math.unsorted_segment_sum(values, position, tf.size(unique))
-        local_step = tf.cast(local_step, tf.int64)
-
-        def push():
-            def enqueue():
-                with tf.control_dependencies(
-                    [self.queue.enqueue([unique, summed])]
-                ):
-                    return tf.constant(True)
-
-            return tf.cond(
-                local_step >= self.step.read_value(),
-                enqueue,
-                lambda: tf.constant(False),
-            )
-
-        with tf.device(self.var.device):
-            return self.section.execute(push)
-
-    def take(self, num_required):
-        with tf.device(self.var.device):
-            first = [self.queue.dequeue() for _ in range(num_required)]
-
-            def drain():
-                n = self.queue.size()
-
-                def body(i, idx, vals):
-                    pi, pv = self.queue.dequeue()
-                    return i + 1, idx.write(i, pi), vals.write(i, pv)
-
-                idx = tf.TensorArray(
-                    tf.int64,
-                    size=0,
-                    dynamic_size=True,
-                    infer_shape=False,
-                    element_shape=tf.TensorShape([None]),
-                )
-                vals = tf.TensorArray(
-                    self.dtype,
-                    size=0,
-                    dynamic_size=True,
-                    infer_shape=False,
-                    element_shape=tf.TensorShape([None]).concatenate(
-                        self.var.shape[1:]
-                    ),
-                )
-                _, idx, vals = tf.while_loop(
-                    lambda i, *_: i < n, body, [0, idx, vals]
-                )
-                with tf.control_dependencies(
-                    [self.step.assign_add(1, read_value=False)]
-                ):
-                    return (
-                        tf.identity(idx.concat()),
-                        tf.identity(vals.concat()),
-                    )
-
-            with tf.control_dependencies([t for pair in first for t in pair]):
-                more_idx, more_vals = self.section.execute(drain)
-            indices = tf.concat([p[0] for p in first] + [more_idx], 0)
-            values = tf.concat([p[1] for p in first] + [more_vals], 0)
-            unique, position = tf.unique(indices)
-            n = tf.size(unique)
-            total = tf.math.unsorted_segment_sum(values, position, n)
-            count = tf.math.unsorted_segment_sum(
-                tf.ones_like(position, self.dtype), position, n
-            )
-            count = tf.reshape(
-                count, tf.concat([[n], tf.ones_like(tf.shape(total)[1:])], 0)
-            )
-            return tf.IndexedSlices(
-                total / count, unique, tf.constant(self.var.shape.as_list())
-            )
-
-    def set_global_step(self, step):
-        return self.step.assign(tf.cast(step, tf.int64), read_value=False)
-
-    def unblock(self, num):
-        empty_i = tf.zeros([0], tf.int64)
-        empty_v = tf.zeros([0] + self.var.shape.as_list()[1:], self.dtype)
-        for _ in range(num):
-            self.queue.enqueue([empty_i, empty_v])
-
-
-class ChiefRunner:
-    """The TF2 counterpart of TF1's chief `QueueRunner`.
-
-    A daemon thread on the coordinator runs the sync round (take every
-    accumulator, apply once, release tokens, moving averages) back to back.
-    """
-
-    def __init__(self, sync_round):
-        self._optimizer = sync_round
-        self._thread = None
-        self._stopping = False
-        self.error = None
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def start(self):
-        """Starts the round thread (no-op if it already runs)."""
-        if self.running:
-            return self
-        self._stopping = False
-        self._optimizer._stop_flag.assign(False)
-        self._thread = threading.Thread(
-            target=self._loop, name="sync_replicas_chief", daemon=True
-        )
-        self._thread.start()
-        return self
-
-    def _loop(self):
-        try:
-            while not self._stopping:
-                self._optimizer._round_fn()
-        except Exception as e:  # noqa: BLE001 - reported through .error
-            if not self._stopping:
-                self.error = e
-                logging.exception(
-                    "SyncReplicasOptimizer chief round failed: %s", e
-                )
-
-    def stop(self, timeout: float = 30.0):
-        """Stops the thread: unblocks its takes and skips that round's apply.
-
-        The accumulators are left with their steps bumped; a new
-        `after_create_session` reseeds them.
-        """
-        if not self.running:
-            return
-        self._stopping = True
-        self._optimizer._stop_flag.assign(True)
-        for acc, rta in self._optimizer._accumulators_and_rta():
-            acc.unblock(rta)
-        self._thread.join(timeout)
-        self._thread = None
-
-
-class _SyncReplicasOptimizerHook:
-    """TF1's hook; in TF2 call `begin()` then `after_create_session()` once.
-
-    Call them after the training step was traced (scheduled once, or its
-    `apply_gradients` otherwise called) and before waiting on any step.
-    """
-
-    def __init__(self, sync_optimizer, is_chief, num_tokens):
-        self._sync_optimizer = sync_optimizer
-        self._is_chief = is_chief
-        self._num_tokens = num_tokens
-        self._begun = False
-
-    def begin(self):
-        """Checks `apply_gradients` was called; builds the init tokens."""
-        if not self._sync_optimizer._gradients_applied:
-            raise ValueError(
-                "SyncReplicasOptimizer.apply_gradient should be called before "
-                "using the hook."
-            )
-        if self._is_chief:
-            self._init_tokens = self._sync_optimizer.get_init_tokens_op(
-                self._num_tokens
-            )
-            self._q_runner = self._sync_optimizer.get_chief_queue_runner()
-        self._begun = True
-
-    def after_create_session(self, session=None, coord=None):
-        """Chief: seeds steps, enqueues init tokens, starts the round thread.
-
-        Non-chief: resets the local steps to the global step. `session` and
-        `coord` are accepted for TF1 signature compatibility and ignored.
-        """
-        del session, coord
-        if not self._begun:
-            self.begin()
-        sync_round = self._sync_optimizer._round
-        if self._is_chief:
-            if not sync_round._hook_initialized(self):
-                return  # another member's hook initialized this round
-            self._q_runner.stop()
-            sync_round._chief_init()
-            self._init_tokens()
-            self._q_runner.start()
-        else:
-            sync_round._local_step_init()
-
-    def end(self, session=None):
-        """Stops the chief's round thread."""
-        del session
-        if self._is_chief and self._begun:
-            self._q_runner.stop()
 
 
 class _State:
@@ -320,211 +36,17 @@ class _State:
             if grad is None:
                 acc = None
             elif isinstance(grad, tf.IndexedSlices):
-                acc = _SparseAccumulator(var, name)
+                acc = accumulators.SparseAccumulator(var, name)
             elif isinstance(grad, tf.Tensor) or tf.is_tensor(grad):
                 if isinstance(grad, tf.SparseTensor):
                     raise ValueError("Unknown grad type!")
-                acc = _DenseAccumulator(var, name + "/grad_accum")
+                acc = accumulators.DenseAccumulator(var, name + "/grad_accum")
             else:
                 raise ValueError("Unknown grad type!")
             self.accumulators.append(acc)
 
 
-class _StepContext:
-    """One traced replica step's shared worker side for one `_Round`."""
-
-    def __init__(self, local_step):
-        self.local_step = local_step
-        self.dequeue = None
-        self.result = None
-
-
-class _Round:
-    """What the shim optimizers used in one training step share.
-
-    One token queue (beside the round's global step), one local step per
-    worker, one chief round that takes every member's accumulators, applies
-    each inner optimizer once, increments each distinct global step once
-    and releases `tokens_per_step` tokens once.
-    """
-
-    def __init__(self, leader, global_step):
-        dtype = global_step.dtype.base_dtype
-        device = global_step.device
-        strategy = leader._strategy
-        num_workers = max(
-            leader._total_num_replicas,
-            getattr(strategy.extended, "_num_workers", 1),
-        )
-        name = leader._name
-        self.members = []  # (optimizer, its global_step or None)
-        self.global_step = global_step
-        self.strategy = strategy
-        self.tokens_per_step = leader._tokens_per_step
-        with tf.init_scope():
-            current = global_step.read_value()
-            self.local_steps = _plain_variable(
-                tf.fill([num_workers], current),
-                device,
-                f"{name}_sync_rep_local_step",
-            )
-            with tf.device(device):
-                self.token_queue = tf.queue.FIFOQueue(
-                    capacity=-1,
-                    dtypes=[dtype],
-                    shapes=[()],
-                    name=f"{name}_sync_token_q",
-                )
-            self._stop_flag = resource_variable_ops.ResourceVariable(
-                False, trainable=False, name=f"{name}_stop"
-            )
-            self.rounds = _plain_variable(
-                tf.constant(0, tf.int64), device, f"{name}_rounds"
-            )
-        self.runner = ChiefRunner(self)
-        self._round_fn = None
-        self._initialized_hooks = set()
-
-    def add_member(self, opt, global_step):
-        self.members.append((opt, global_step))
-
-    def _accumulators_and_rta(self):
-        return [
-            (acc, opt._replicas_to_aggregate)
-            for opt, _ in self.members
-            for acc in opt._accumulators()
-        ]
-
-    def _hook_initialized(self, hook):
-        """True if `hook` should (re)initialize the round now."""
-        if not self._initialized_hooks or hook in self._initialized_hooks:
-            self._initialized_hooks = {hook}
-            return True
-        self._initialized_hooks.add(hook)
-        return False
-
-    def rebuild(self):
-        self._round_fn = self._make_round_fn()
-
-    def _make_round_fn(self):
-        members = [(opt, gs, list(opt._states)) for opt, gs in self.members]
-
-        @tf.function(autograph=False)
-        def sync_round():
-            applies = []  # (optimizer, grads_and_vars, global_step)
-            incremented = set()
-            for opt, gs, states in members:
-                grads_and_vars = []
-                for state in states:
-                    for var, acc in zip(state.variables, state.accumulators):
-                        grad = None
-                        if acc is not None:
-                            grad = acc.take(opt._replicas_to_aggregate)
-                        grads_and_vars.append((grad, var))
-                if gs is not None and id(gs) in incremented:
-                    gs = None
-                if gs is not None:
-                    incremented.add(id(gs))
-                applies.append((opt, grads_and_vars, gs))
-            taken = [
-                t
-                for _, gvs, _ in applies
-                for g, _ in gvs
-                if g is not None
-                for t in tf.nest.flatten(g, expand_composites=True)
-            ]
-
-            def apply():
-                updates = []
-                for opt, gvs, gs in applies:
-                    update = opt._inner_apply(gvs, gs)
-                    if update is not None:
-                        updates.append(update)
-                with tf.control_dependencies(updates):
-                    step = self.global_step.read_value()
-                    with tf.device(self.global_step.device):
-                        release = self.token_queue.enqueue_many(
-                            [tf.fill([self.tokens_per_step], step)]
-                        )
-                ops = [release]
-                for opt, _ in self.members:
-                    if opt._variable_averages is not None:
-                        with tf.control_dependencies([release]):
-                            ops.append(
-                                opt._variable_averages.apply(
-                                    opt._variables_to_average
-                                )
-                            )
-                with tf.control_dependencies(ops):
-                    return self.rounds.assign_add(1, read_value=False)
-
-            with tf.control_dependencies(taken):
-                stop = self._stop_flag.read_value()
-            with tf.control_dependencies(taken):
-                tf.cond(stop, tf.no_op, apply)
-
-        return sync_round
-
-    def _chief_init(self):
-        step = self.global_step.read_value()
-        self.local_steps.assign(tf.fill(tf.shape(self.local_steps), step))
-        for acc, _ in self._accumulators_and_rta():
-            acc.set_global_step(step)
-
-    def _local_step_init(self):
-        step = self.global_step.read_value()
-        self.local_steps.assign(tf.fill(tf.shape(self.local_steps), step))
-
-    def step_context(self):
-        """The current traced step's `_StepContext` (a new one eagerly)."""
-        worker = strategy_lib.current_worker()
-        if worker is None:
-            worker = tf.constant(0, tf.int64)
-        if tf.executing_eagerly():
-            ctx = None
-        else:
-            graph = tf.compat.v1.get_default_graph()
-            contexts = _STEP_CONTEXTS.setdefault(graph, {})
-            ctx = contexts.get(id(self))
-        if ctx is None:
-            ctx = _StepContext(tf.gather(self.local_steps, worker))
-            ctx.worker = worker
-            if not tf.executing_eagerly():
-                contexts[id(self)] = ctx
-        return ctx
-
-    def finish_step(self, ctx, pushes):
-        """Makes the step's one token dequeue wait for `pushes` too."""
-        push_ops = [p if isinstance(p, tf.Operation) else p.op for p in pushes]
-        if ctx.dequeue is not None:
-            ctx.dequeue.op._add_control_inputs(push_ops)
-            return ctx.result
-        with tf.control_dependencies(push_ops):
-            with tf.device(self.global_step.device):
-                ctx.dequeue = self.token_queue.dequeue()
-        update = self.local_steps.scatter_update(
-            tf.IndexedSlices(
-                tf.reshape(ctx.dequeue, [1]), tf.reshape(ctx.worker, [1])
-            )
-        )
-        with tf.control_dependencies([update]):
-            ctx.result = tf.identity(ctx.dequeue)
-        return ctx.result
-
-
-def _open_round():
-    """The `_Round` a shim optimizer started in the current traced step."""
-    if tf.executing_eagerly():
-        return None
-    return _OPEN_ROUNDS.get(tf.compat.v1.get_default_graph())
-
-
-def _set_open_round(sync_round):
-    if not tf.executing_eagerly():
-        _OPEN_ROUNDS[tf.compat.v1.get_default_graph()] = sync_round
-
-
-class SyncReplicasOptimizer:
+class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
     """TF1's `SyncReplicasOptimizer` for TF2 ParameterServerStrategy.
 
     Protocol (TF1's, per `tf.compat.v1.train.SyncReplicasOptimizer`):
@@ -536,33 +58,40 @@ class SyncReplicasOptimizer:
       (beside `global_step`) and store it as the new local step. A gradient
       is accepted iff its tag is at least the accumulator's step, otherwise
       it is silently dropped (stale).
-    * Chief round (a daemon thread on the coordinator, started by the hook):
-      `take(replicas_to_aggregate)` on every accumulator (the mean of all
+    * Chief round (a daemon thread on the coordinator): `take(
+      replicas_to_aggregate)` on every accumulator (the mean of all
       gradients accepted since the last take, per row for `IndexedSlices`;
       each take bumps that accumulator's step), one inner apply (which
       increments `global_step` by 1), then `max(total, replicas_to_aggregate)`
       tokens carrying the new `global_step`, then the optional moving
       averages.
-    * Chief init (`hook.after_create_session()`): local steps := global step,
-      accumulator steps := global step, `num_tokens` (default
-      `replicas_to_aggregate`) tokens.
+    * Chief init: local steps := global step, accumulator steps := global
+      step, `num_tokens` (default `replicas_to_aggregate`) tokens, then the
+      round thread starts. The coordinator does this by itself after it
+      traced the first scheduled step and before it dispatches it; TF1's
+      `hook.begin(); hook.after_create_session()`, called first, does it
+      with the hook's `num_tokens`.
     * Several shim optimizers applied in the same traced step form one
-      round (unlike TF1): the first applied must be given `global_step`,
-      the others may pass `None` and join it; one token queue, one local
-      step per worker, one token per worker step (after every push), one
-      chief round applying each inner optimizer once and incrementing each
-      distinct global step once, tokens released once.
+      round (unlike TF1): any one of them may be given `global_step`, the
+      others may pass `None` and join it (if none is given, tracing the
+      step raises TF1's error); one token queue, one local step per worker,
+      one token per worker step (after every push), one chief round
+      applying each inner optimizer once and incrementing each distinct
+      global step once, tokens released once.
 
     Guarantees: the inner optimizer applies exactly once per round (never
     once per worker); each applied gradient is the mean of at least
     `replicas_to_aggregate` accepted gradients; `global_step` rises by 1 per
     round (with a `tf.compat.v1.train` optimizer, or with a tf_keras
     optimizer when `global_step` is not its `iterations`). Like TF1, each
-    worker wastes one step after (re)start.
+    worker wastes one step after (re)start. Retracing a step adds no
+    accumulator, local step or round.
 
     Requirements: a `tf2sync.SyncParameterServerStrategy` with no
     `tf2sync.SyncOptimizer`; construct this optimizer and every variable
-    under `strategy.scope()`.
+    under `strategy.scope()`. In `model.compile(optimizer=...)` it runs
+    through tf_keras's wrapper of TF1 optimizers, which passes the model's
+    `optimizer.iterations` as `global_step`.
 
     Example::
 
@@ -584,14 +113,16 @@ class SyncReplicasOptimizer:
                 return opt.apply_gradients(zip(grads, [w]), global_step)
             return strategy.run(replica)
 
-        coordinator.schedule(step)  # traces: apply_gradients builds state
-        hook = opt.make_session_run_hook(is_chief=True)
-        hook.begin()
-        hook.after_create_session()
         for _ in range(10):
-            coordinator.schedule(step)
+            coordinator.schedule(step)  # the first also starts the chief
         coordinator.join()
-        hook.end()
+
+    With `model.fit`, compile with the shim under `strategy.scope()`::
+
+        model.compile(
+            optimizer=tf2sync.compat.v1.SyncReplicasOptimizer(
+                tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), 2),
+            loss="mse")
     """
 
     def __init__(
@@ -628,8 +159,9 @@ class SyncReplicasOptimizer:
         self._tokens_per_step = max(total_num_replicas, replicas_to_aggregate)
         self._variable_averages = variable_averages
         self._variables_to_average = variables_to_average
-        self._use_locking = use_locking
-        self._name = name
+        super().__init__(use_locking, name)
+        if isinstance(opt, tf.__internal__.tracking.Trackable):
+            self._track_trackable(opt, name="opt")  # slots in checkpoints
         self._gradients_applied = False
         self._round = None
         self._given_step = None
@@ -639,6 +171,9 @@ class SyncReplicasOptimizer:
         # Local steps are per worker: have the strategy's coordinator pass
         # each scheduled step its worker's index (read at schedule time).
         self._strategy._tf2sync_worker_ids = True
+        after_run = self._strategy.__dict__.setdefault("_tf2sync_after_run", [])
+        if round_lib.check_open_round not in after_run:
+            after_run.append(round_lib.check_open_round)
 
     # Pass-throughs ---------------------------------------------------------
 
@@ -653,6 +188,13 @@ class SyncReplicasOptimizer:
     def get_slot_names(self, *args, **kwargs):
         """Returns `opt.get_slot_names(...)`."""
         return self._opt.get_slot_names(*args, **kwargs)
+
+    def __dir__(self):
+        # TF2 checkpoints treat every object that lists `get_slot_names` as
+        # a slot owner. The slots are the inner optimizer's (a tracked child,
+        # saved and restored through it); listed here too, each would be
+        # saved twice and the save would fail.
+        return [n for n in super().__dir__() if n != "get_slot_names"]
 
     def variables(self):
         """The inner optimizer's variables (local steps excluded)."""
@@ -697,7 +239,7 @@ class SyncReplicasOptimizer:
         self._round.rebuild()
         return state
 
-    def _join_round(self, global_step):
+    def _join_round(self, global_step, var):
         """Joins (or starts) the round of the current traced step, once."""
         if self._round is not None:
             if global_step is not None and global_step is not self._given_step:
@@ -705,15 +247,18 @@ class SyncReplicasOptimizer:
                     "This SyncReplicasOptimizer already uses another "
                     "global_step."
                 )
-            if _open_round() is None:
-                _set_open_round(self._round)
+            if round_lib.open_round() is None:
+                round_lib.set_open_round(self._round)
             return self._round
-        sync_round = _open_round()
+        sync_round = round_lib.open_round()
         if sync_round is None:
-            if global_step is None:
-                raise ValueError("Global step is required to check staleness")
-            sync_round = _Round(self, global_step)
-            _set_open_round(sync_round)
+            if global_step is None and tf.executing_eagerly():
+                raise ValueError(round_lib._GLOBAL_STEP_REQUIRED)
+            # In a traced step, a later member may name the global step;
+            # the strategy checks after `run` that one did.
+            device = (global_step if global_step is not None else var).device
+            sync_round = round_lib.Round(self, device, global_step)
+            round_lib.set_open_round(sync_round)
         sync_round.add_member(self, global_step)
         self._round = sync_round
         self._given_step = global_step
@@ -762,7 +307,7 @@ class SyncReplicasOptimizer:
                 f"{[v.name for _, v in grads_and_vars]}."
             )
         with self._lock:
-            sync_round = self._join_round(global_step)
+            sync_round = self._join_round(global_step, grads_and_vars[0][1])
             with tf.init_scope():
                 state = self._state_for(grads_and_vars)
         ctx = sync_round.step_context()
@@ -845,14 +390,18 @@ class SyncReplicasOptimizer:
 
         def init_tokens():
             if num_tokens > 0:
-                step = self._global_step.read_value()
-                with tf.device(self._global_step.device):
-                    self._sync_token_queue.enqueue_many(
-                        [tf.fill([num_tokens], step)]
-                    )
+                self._round.enqueue_tokens(num_tokens)
 
         return init_tokens
 
     def make_session_run_hook(self, is_chief, num_tokens=-1):
-        """TF1's hook: call `begin()` and `after_create_session()` once."""
-        return _SyncReplicasOptimizerHook(self, is_chief, num_tokens)
+        """TF1's hook; optional in TF2, where the coordinator starts rounds.
+
+        Args:
+          is_chief: Whether `after_create_session` runs the chief's part.
+          num_tokens: Initial tokens; -1 means `replicas_to_aggregate`.
+
+        Returns:
+          An object with TF1's `begin`, `after_create_session` and `end`.
+        """
+        return round_lib.SessionRunHook(self, is_chief, num_tokens)

@@ -93,6 +93,15 @@ _MIXED_PRECISION = flags.DEFINE_enum(
     "Keras dtype policy of the model; mixed_float16 turns on tf2sync's "
     "dynamic loss scaling.",
 )
+_SYNC_OPTIMIZER = flags.DEFINE_enum(
+    "sync_optimizer",
+    "tf2sync",
+    ["tf2sync", "tf1_shim"],
+    "tf2sync: tf2sync.SyncOptimizer (per-step barrier, packed pushes). "
+    "tf1_shim: tf2sync.compat.v1.SyncReplicasOptimizer around TF1's "
+    "MomentumOptimizer, with TF1's token and global-step behaviour (one "
+    "variable group, float32).",
+)
 _TOKEN_TIMEOUT = flags.DEFINE_float(
     "token_timeout",
     60.0,
@@ -272,6 +281,7 @@ def _chief_config():
         learning_rate=_LEARNING_RATE.value,
         momentum=_MOMENTUM.value,
         mixed_precision=_MIXED_PRECISION.value,
+        sync_optimizer=_SYNC_OPTIMIZER.value,
         token_timeout=_TOKEN_TIMEOUT.value or None,
         checkpoint_dir=_CHECKPOINT_DIR.value,
         model_log_dir=_MODEL_LOG_DIR.value,

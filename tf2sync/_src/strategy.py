@@ -17,6 +17,7 @@ from tensorflow.python.distribute.coordinator import (
 
 from tf2sync._src import aggregation
 from tf2sync._src import config as config_lib
+from tf2sync._src import watchdog
 
 _STEP = threading.local()
 
@@ -115,9 +116,25 @@ class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
 
             wrapped = tf.function(with_worker)
             self._wrapped[fn] = wrapped
-        return super().schedule(
-            wrapped, args=(self._ids(), *(args or ())), kwargs=kwargs
-        )
+        args = (self._ids(), *(args or ()))
+        before_dispatch = getattr(self.strategy, "_tf2sync_before_dispatch", ())
+        if before_dispatch:
+            # Trace now (as `schedule` would), so that what the trace built
+            # (the TF1 shim's rounds) starts before any worker runs it.
+            wrapped.get_concrete_function(
+                *_as_specs(args), **_as_specs(kwargs or {})
+            )
+            for callback in list(before_dispatch):
+                callback()
+        return super().schedule(wrapped, args=args, kwargs=kwargs)
+
+
+def _as_specs(structure):
+    """Worker 0's slice of scheduled arguments, as `schedule` traces them."""
+    return tf.nest.map_structure(
+        coordinator_lib._maybe_as_type_spec,
+        coordinator_lib._select_worker_slice(0, structure),
+    )
 
 
 _UNWRAPPED_MESSAGE = (
@@ -280,8 +297,6 @@ class SyncParameterServerStrategy(
             )
         self._aggregator = aggregator
         if self._token_timeout is not None:
-            from tf2sync._src import watchdog
-
             self._watchdog = watchdog.TokenWatchdog(
                 aggregator, self._token_timeout
             )
@@ -298,7 +313,11 @@ class SyncParameterServerStrategy(
                     with _WorkerScope(worker):
                         return inner(*a, **k)
 
-            return super().run(fn, args=args, kwargs=kwargs, options=options)
+            result = super().run(fn, args=args, kwargs=kwargs, options=options)
+            if tf.inside_function():
+                for check in getattr(self, "_tf2sync_after_run", ()):
+                    check()
+            return result
         tag, waited = aggregator.acquire()
         step = StepContext(tag, waited, current_worker())
 

@@ -18,19 +18,34 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from typing import NamedTuple
 
 import tensorflow as tf
 from absl import logging
 
 
-class TokenWatchdog:
-    """Watches one `Aggregator`; see the module docstring."""
+class WatchState(NamedTuple):
+    """What the watchdog reads on the ps, each poll."""
 
-    def __init__(self, aggregator, timeout: float, poll: float | None = None):
+    progress: tuple  # changes whenever a gradient arrives or a step applies
+    step: int  # the global step
+    tokens: int  # tokens left in the queue
+    pending: int  # gradients waiting for the next update
+    required: int  # gradients an update needs
+
+
+class TokenWatchdog:
+    """Watches one token barrier; see the module docstring.
+
+    The watched object (tf2sync's `Aggregator`, the TF1 shim's `Round`)
+    has `watch_state() -> WatchState` and `seed_tokens(n)`.
+    """
+
+    def __init__(self, barrier, timeout: float, poll: float | None = None):
         self.timeout = float(timeout)
         self.poll = poll or max(0.2, min(5.0, self.timeout / 4))
         self.released = 0
-        self._aggregator = weakref.ref(aggregator)
+        self._barrier = weakref.ref(barrier)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="tf2sync-token-watchdog", daemon=True
@@ -40,43 +55,33 @@ class TokenWatchdog:
     def stop(self):
         self._stop.set()
 
-    def _state(self, aggregator):
-        with tf.init_scope():
-            return (
-                int(aggregator.global_step.numpy()),
-                int(aggregator.accepted.numpy()),
-                int(aggregator.stale_dropped.numpy()),
-                int(aggregator.count.numpy()),
-                aggregator.tokens_available(),
-            )
-
     def _run(self):
         last, since = None, time.monotonic()
         while not self._stop.wait(self.poll):
-            aggregator = self._aggregator()
-            if aggregator is None:
+            barrier = self._barrier()
+            if barrier is None:
                 return
             try:
-                step, accepted, stale, count, tokens = self._state(aggregator)
+                with tf.init_scope():
+                    state = barrier.watch_state()
             except Exception:  # The cluster is gone: nothing to watch.
                 return
-            progress = (step, accepted, stale)
-            if progress != last:
-                last, since = progress, time.monotonic()
+            if state.progress != last:
+                last, since = state.progress, time.monotonic()
                 continue
-            if tokens > 0 or time.monotonic() - since < self.timeout:
+            if state.tokens > 0 or time.monotonic() - since < self.timeout:
                 continue
-            needed = max(1, aggregator.config.replicas_to_aggregate - count)
+            needed = max(1, state.required - state.pending)
             logging.warning(
                 "tf2sync: no synchronous step for %.0f s and no token left "
                 "(step %d, %d of %d gradients): a worker probably died "
                 "holding a token. Releasing %d token(s).",
                 time.monotonic() - since,
-                step,
-                count,
-                aggregator.config.replicas_to_aggregate,
+                state.step,
+                state.pending,
+                state.required,
                 needed,
             )
-            aggregator.seed_tokens(needed)
+            barrier.seed_tokens(needed)
             self.released += needed
             since = time.monotonic()
