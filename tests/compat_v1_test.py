@@ -149,8 +149,8 @@ class _Harness:
         return int(self.opt.local_steps.numpy()[w])
 
     def close(self):
-        if self.hook is not None:
-            self.hook.end()
+        if self.opt._round is not None:  # stop the round thread, hooks or not
+            self.opt.make_session_run_hook(True).end()
 
 
 class _MultiHarness(_Harness):
@@ -761,6 +761,7 @@ class FitTest(absltest.TestCase):
         history = model.fit(
             dataset, epochs=epochs, steps_per_epoch=steps, verbose=0
         )
+        opt.make_session_run_hook(True).end()  # stop the round thread
         rounds = int(opt.rounds.numpy())
         return model, initial, opt, rounds, history
 

@@ -36,6 +36,13 @@ _STEP_CONTEXTS = weakref.WeakKeyDictionary()
 _STARTED = weakref.WeakSet()  # rounds whose thread stops at exit
 _GLOBAL_STEP_REQUIRED = "Global step is required to check staleness"
 _AUTO = "started by the coordinator"
+# TF1's order (push, then token) can leave a finite run's last steps
+# waiting for a round that needs more pushes than will come (each stale
+# push costs the barrier a token for good). Once every scheduled step was
+# dispatched and nothing moved for this long, the watchdog releases the
+# tokens the round needs; they carry the current global step, so they can
+# cost a wasted or dropped gradient, never a wrong one.
+DRAIN_TIMEOUT = 1.0
 
 
 class ChiefRunner:
@@ -143,7 +150,7 @@ class SessionRunHook:
         del session
         sync_round = self._sync_optimizer._round
         if self._is_chief and sync_round is not None:
-            sync_round.runner.stop()
+            sync_round.stop()
 
 
 class StepContext:
@@ -258,7 +265,7 @@ class Round:
     def start(self, init_tokens):
         """Seeds local and accumulator steps, enqueues tokens, starts."""
         self.check()
-        self.runner.stop()
+        self._halt()
         step = tf.cast(self.global_step.read_value(), TOKEN_DTYPE)
         self.local_steps.assign(tf.fill(tf.shape(self.local_steps), step))
         for acc, _ in self._accumulators_and_rta():
@@ -268,8 +275,24 @@ class Round:
         self.started = True
         _STARTED.add(self)
         timeout = getattr(self.strategy, "_token_timeout", None)
-        if timeout is not None and self.watchdog is None:
-            self.watchdog = watchdog.TokenWatchdog(self, timeout)
+        if timeout is not None:
+            self.watchdog = watchdog.TokenWatchdog(
+                self, timeout, drain_timeout=DRAIN_TIMEOUT
+            )
+
+    def stop(self):
+        """Stops the round thread and the watchdog (`hook.end()`).
+
+        The next scheduled step starts the round again (`ensure_started`).
+        """
+        self._halt()
+        self.started = False
+        self._claimed_by = set()
+
+    def _halt(self):
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.runner.stop()
 
     def watch_state(self) -> watchdog.WatchState:
         """What `watchdog.TokenWatchdog` needs, read eagerly on the ps."""
@@ -278,17 +301,23 @@ class Round:
             int(a.num_accumulated()) for a, _ in self._accumulators_and_rta()
         ]
         tokens = int(self.token_queue.size())
+        drained = False
         coordinator = getattr(self.strategy, "_cluster_coordinator", None)
-        if coordinator is not None and coordinator.done():
-            # No step is in flight, so none waits for a token: TF1 order
-            # (push, then token) leaves the queue empty between steps.
-            tokens = max(tokens, 1)
+        if coordinator is not None:
+            queue = coordinator._cluster.closure_queue
+            inflight = queue._inflight_closure_count
+            if not inflight and queue._queue.empty():
+                # No step is in flight, so none waits for a token: TF1 order
+                # (push, then token) leaves the queue empty between steps.
+                tokens = max(tokens, 1)
+            drained = inflight > 0 and queue._queue.empty()
         return watchdog.WatchState(
             progress=(step, int(self.rounds.numpy()), *pending),
             step=step,
             tokens=tokens,
             pending=min(pending, default=0),
             required=self.leader._replicas_to_aggregate,
+            drained=drained,
         )
 
     def seed_tokens(self, num):
@@ -431,7 +460,7 @@ def _stop_started_rounds():
     def stop_all():
         for sync_round in rounds:
             try:
-                sync_round.runner.stop(timeout=5.0)
+                sync_round.stop()
             except Exception:  # noqa: BLE001 - the cluster may be gone
                 pass
 

@@ -9,6 +9,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf2sync._src import callbacks as callbacks_lib
+from tf2sync._src import compat_v1
 
 
 class Trainer:
@@ -21,7 +22,10 @@ class Trainer:
     2. `steps // steps_per_loop` functions are scheduled on the workers; each
        runs `steps_per_loop` synchronous replica steps, and each replica
        step calls `train_step(batch)` (override it; the default computes
-       `loss_fn(y, model(x))` and applies through the `SyncOptimizer`).
+       `loss_fn(y, model(x))` and applies through the `SyncOptimizer`, or
+       through a `tf2sync.compat.v1.SyncReplicasOptimizer` with the
+       trainer's `global_step`, TF1's protocol; the coordinator starts its
+       chief part, no hook is needed).
     3. The loop joins: when `train` returns or raises, no step is running.
     4. `train_loop_end(logs)` may add entries; the sync totals (exact, read
        after the join) are added; then `on_epoch_end`, and with
@@ -54,7 +58,9 @@ class Trainer:
         Args:
           strategy: A `tf2sync.SyncParameterServerStrategy`.
           model: A tf_keras model built under `strategy.scope()`.
-          optimizer: The `tf2sync.SyncOptimizer` for `model`.
+          optimizer: The `tf2sync.SyncOptimizer` for `model`, or a
+            `tf2sync.compat.v1.SyncReplicasOptimizer` (then the trainer
+            creates, checkpoints and passes `self.global_step`).
           loss_fn: `loss_fn(y_true, y_pred) -> scalar`, for the default
             `train_step`.
           steps_per_loop: Synchronous steps per scheduled function.
@@ -84,16 +90,24 @@ class Trainer:
             verbose = 1 if sys.stdout.isatty() else 2
         self._verbose = verbose
         self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._shim = isinstance(optimizer, compat_v1.SyncReplicasOptimizer)
+        self.global_step = None
+        with strategy.scope():
+            if self._shim:
+                self.global_step = tf.Variable(
+                    0, dtype=tf.int64, trainable=False, name="global_step"
+                )
+            else:
+                optimizer.build(model.trainable_variables)
         self._manager = None
         if checkpoint_dir:
+            extra = {"global_step": self.global_step} if self._shim else {}
             checkpoint = tf.train.Checkpoint(
-                model=model, optimizer=optimizer, epoch=self._epoch
+                model=model, optimizer=optimizer, epoch=self._epoch, **extra
             )
             self._manager = tf.train.CheckpointManager(
                 checkpoint, checkpoint_dir, max_to_keep=max_to_keep
             )
-        with strategy.scope():
-            optimizer.build(model.trainable_variables)
 
     # Template hooks -------------------------------------------------------
 
@@ -107,7 +121,12 @@ class Trainer:
             loss = self.loss_fn(y, self.model(x, training=True))
         variables = self.model.trainable_variables
         grads = tape.gradient(loss, variables)
-        self.optimizer.apply_gradients(zip(grads, variables))
+        if self._shim:
+            self.optimizer.apply_gradients(
+                zip(grads, variables), self.global_step
+            )
+        else:
+            self.optimizer.apply_gradients(zip(grads, variables))
         return loss
 
     def train_loop_end(self, logs):
@@ -130,6 +149,11 @@ class Trainer:
             return total / steps
 
         return loop
+
+    def _sync_totals(self, sync):
+        if self._shim:  # TF1 drops stale gradients silently: steps only
+            return {"sync_steps": int(self.global_step.numpy())}
+        return callbacks_lib.sync_totals(sync)
 
     def train(self, dataset_fn, *, epochs: int, steps_per_epoch: int):
         """Trains, resuming from the latest checkpoint if there is one.
@@ -173,13 +197,15 @@ class Trainer:
         )
         iterator = iter(per_worker)
         loop = self._loop_function()
-        sync = callbacks_lib.find_sync_optimizer(self.optimizer)
+        sync = None
+        if not self._shim:
+            sync = callbacks_lib.find_sync_optimizer(self.optimizer)
         callback_list.on_train_begin()
         for epoch in range(start_epoch, epochs):
             self.train_loop_begin()
             callback_list.on_epoch_begin(epoch)
             began = time.perf_counter()
-            before = int(sync.iterations.numpy())
+            before = self._sync_totals(sync)["sync_steps"]
             results = [
                 self.coordinator.schedule(loop, args=(iterator,))
                 for _ in range(loops)
@@ -194,7 +220,7 @@ class Trainer:
                     bar.update(i + 1, [("loss", losses[-1])])
             self.coordinator.join()
             seconds = time.perf_counter() - began
-            totals = callbacks_lib.sync_totals(sync)
+            totals = self._sync_totals(sync)
             steps_done = totals["sync_steps"] - before
             logs = {"loss": sum(losses) / len(losses), **totals}
             logs["sync_steps_per_s"] = steps_done / max(seconds, 1e-9)
@@ -212,4 +238,6 @@ class Trainer:
             if self.model.stop_training:
                 break
         callback_list.on_train_end()
+        if self._shim:  # the round thread; the next train() restarts it
+            self.optimizer.make_session_run_hook(is_chief=True).end()
         return history

@@ -32,18 +32,33 @@ class WatchState(NamedTuple):
     tokens: int  # tokens left in the queue
     pending: int  # gradients waiting for the next update
     required: int  # gradients an update needs
+    # Every scheduled step was dispatched and some are still running: with
+    # TF1's order (push, then token) the last ones may wait for a round
+    # that needs more pushes than will come.
+    drained: bool = False
 
 
 class TokenWatchdog:
     """Watches one token barrier; see the module docstring.
 
     The watched object (tf2sync's `Aggregator`, the TF1 shim's `Round`)
-    has `watch_state() -> WatchState` and `seed_tokens(n)`.
+    has `watch_state() -> WatchState` and `seed_tokens(n)`. With
+    `drain_timeout`, a drained barrier (see `WatchState.drained`) gets its
+    tokens after that many seconds instead of `timeout`.
     """
 
-    def __init__(self, barrier, timeout: float, poll: float | None = None):
+    def __init__(
+        self,
+        barrier,
+        timeout: float,
+        poll: float | None = None,
+        drain_timeout: float | None = None,
+    ):
         self.timeout = float(timeout)
+        self.drain_timeout = drain_timeout
         self.poll = poll or max(0.2, min(5.0, self.timeout / 4))
+        if drain_timeout:
+            self.poll = min(self.poll, max(0.1, drain_timeout / 4))
         self.released = 0
         self._barrier = weakref.ref(barrier)
         self._stop = threading.Event()
@@ -69,17 +84,24 @@ class TokenWatchdog:
             if state.progress != last:
                 last, since = state.progress, time.monotonic()
                 continue
-            if state.tokens > 0 or time.monotonic() - since < self.timeout:
+            limit = self.timeout
+            if state.drained and self.drain_timeout:
+                limit = min(limit, self.drain_timeout)
+            if state.tokens > 0 or time.monotonic() - since < limit:
                 continue
             needed = max(1, state.required - state.pending)
-            logging.warning(
+            logging.log(
+                logging.INFO if state.drained else logging.WARNING,
                 "tf2sync: no synchronous step for %.0f s and no token left "
-                "(step %d, %d of %d gradients): a worker probably died "
-                "holding a token. Releasing %d token(s).",
+                "(step %d, %d of %d gradients): %s Releasing %d token(s).",
                 time.monotonic() - since,
                 state.step,
                 state.pending,
                 state.required,
+                "the last scheduled steps wait for a round no step will "
+                "complete."
+                if state.drained
+                else "a worker probably died holding a token.",
                 needed,
             )
             barrier.seed_tokens(needed)
