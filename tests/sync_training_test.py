@@ -116,6 +116,37 @@ class EquivalenceTest(parameterized.TestCase):
         )
 
 
+class PackedReadTest(absltest.TestCase):
+    def test_a_step_reads_its_dense_variables_as_one_tensor_per_ps(self):
+        # Four variables on one ps: one concatenation there, split on the
+        # worker into the four values the layers use (the equivalence tests
+        # above check the values).
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        x, y = testutil.data("dense", 8)
+        with strategy.scope():
+            model = testutil.dense_model()
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+
+        def replica():
+            with tf.GradientTape() as tape:
+                loss = testutil.mean_loss(y, model(x))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        graph = (
+            tf.function(lambda: strategy.run(replica))
+            .get_concrete_function()
+            .graph
+        )
+        splits = [op for op in graph.get_operations() if op.type == "SplitV"]
+        self.assertLen(splits, 1)
+        concat = splits[0].inputs[0].op
+        self.assertEqual(concat.type, "ConcatV2")
+        self.assertIn("/job:ps/", concat.device)
+        self.assertLen(concat.inputs, 4 + 1)  # the reads and the axis
+        self.assertLen(splits[0].outputs, 4)
+
+
 class BackupWorkerTest(absltest.TestCase):
     def test_slow_replica_is_dropped_as_stale_and_never_applied(self):
         # 3 workers, 2 aggregated: the replica delayed after reading its tag

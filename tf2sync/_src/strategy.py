@@ -7,7 +7,9 @@ import weakref
 
 import tensorflow as tf
 from absl import logging
+from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import parameter_server_strategy_v2
+from tensorflow.python.distribute import ps_values
 from tensorflow.python.distribute.coordinator import (
     cluster_coordinator as coordinator_lib,
 )
@@ -70,6 +72,84 @@ class _WorkerScope:
 
     def __exit__(self, *exc):
         _STEP.worker = self._previous
+
+
+class _PackedReads:
+    """One tensor per parameter server carries a step's variable reads.
+
+    Each variable a replica step reads densely is otherwise its own transfer
+    from the ps to the worker, and on a small model those transfers are
+    most of the step. Inside this scope TF's own read cache for
+    ParameterServerStrategy variables (`cache_variable_reads`) gives each
+    variable one read per step. On exit the cached reads are regrouped:
+    per (ps, dtype), the reads are concatenated on the ps, and the cached
+    tensors on the worker are rewired to slices of that one tensor. The
+    values are those of the individual reads (all after the tag). A step
+    that wrote a variable and read it again would see the first read,
+    which tf2sync rules out: variables only change in the ps's critical
+    section. Variables read sparsely (embedding lookups) are not cached and
+    keep their own gathers.
+    """
+
+    def __init__(self, variables, tag):
+        self._variables = variables
+        self._tag = tag
+        self._scope = None
+
+    def __enter__(self):
+        local = distribute_utils.caching_scope_local
+        if local.in_caching_scope():
+            return self  # already caching (nesting is not supported)
+        self._scope = distribute_utils.cache_variable_reads()
+        self._scope.__enter__()
+        self._candidates = list(self._variables.values())
+        for var in self._candidates:
+            var._cache = None
+            var._current_new_cache_scope_count = local.new_cache_scope_count
+        return self
+
+    def __exit__(self, *exc):
+        if self._scope is None:
+            return False
+        try:
+            if exc[0] is None:
+                self._pack()
+        finally:
+            for var in self._candidates:
+                var._cache = None
+            self._scope.__exit__(*exc)
+        return False
+
+    def _pack(self):
+        graph = tf.compat.v1.get_default_graph()
+        groups = {}
+        for var in self._candidates:
+            cached = var._cache
+            if (
+                cached is None
+                or cached.graph is not graph
+                or cached.op.type != "Identity"
+                or not var.shape.is_fully_defined()
+            ):
+                continue
+            key = (var._v.device, var.dtype.base_dtype)
+            groups.setdefault(key, []).append(var)
+        for (device, _), group in groups.items():
+            if len(group) < 2:
+                continue  # nothing to save
+            # The reads themselves stay where they were traced (ordered
+            # after the tag, and before the step's push by automatic control
+            # dependencies); only their transfer to the worker is packed.
+            with tf.device(device):
+                packed = tf.concat(
+                    [tf.reshape(v._cache.op.inputs[0], [-1]) for v in group],
+                    axis=0,
+                )
+            sizes = [v.shape.num_elements() for v in group]
+            pieces = tf.split(packed, sizes)
+            for var, piece in zip(group, pieces):
+                piece = tf.reshape(piece, var.shape)
+                var._cache.op._update_input(0, piece)
 
 
 class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
@@ -172,6 +252,12 @@ class _SyncExtended(
             )
         return super()._experimental_distribute_dataset(dataset, options)
 
+    def _create_variable(self, next_creator, **kwargs):
+        var = super()._create_variable(next_creator, **kwargs)
+        if isinstance(var, ps_values.CachingVariable):
+            self._tf2sync_variables[id(var)] = var  # for packed reads
+        return var
+
     def _update(self, var, fn, args, kwargs, group):
         if tf.inside_function() and not aggregation.in_sync_apply():
             raise TypeError(_UNWRAPPED_MESSAGE)
@@ -261,6 +347,7 @@ class SyncParameterServerStrategy(
         self._watchdog = None
         super().__init__(cluster_resolver)
         self._extended.__class__ = _SyncExtended
+        self._extended._tf2sync_variables = weakref.WeakValueDictionary()
         # Installed now, so that ClusterCoordinator(strategy) returns it.
         _SyncCoordinator(self)
         self._aggregator = None
@@ -321,9 +408,12 @@ class SyncParameterServerStrategy(
         tag, waited = aggregator.acquire()
         step = StepContext(tag, waited, current_worker())
 
+        variables = self._extended._tf2sync_variables
+
         def step_fn(*a, **k):
             with tf.control_dependencies([tag]), _StepScope(step):
-                return fn(*a, **k)
+                with _PackedReads(variables, tag):
+                    return fn(*a, **k)
 
         result = super().run(step_fn, args=args, kwargs=kwargs, options=options)
         if (
