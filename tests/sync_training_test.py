@@ -4,6 +4,7 @@ Each test compares against a single-process reference: synchronous training
 with N replicas at batch B must follow single-process training at batch N*B.
 """
 
+import numpy as np
 import tensorflow as tf
 import testutil
 from absl.testing import absltest
@@ -145,6 +146,49 @@ class PackedReadTest(absltest.TestCase):
         self.assertIn("/job:ps/", concat.device)
         self.assertLen(concat.inputs, 4 + 1)  # the reads and the axis
         self.assertLen(splits[0].outputs, 4)
+
+
+class WireTest(absltest.TestCase):
+    def test_a_push_crosses_as_one_tensor_and_arrives_exact(self):
+        from tf2sync._src import aggregation
+
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = testutil.sparse_model()
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+        model.build((None, 5))
+        variables = model.trainable_variables  # embedding, kernel, bias
+        # Row ids whose float32 halves are NaN, infinity and denormal bit
+        # patterns: a bit-cast copy must keep them exact.
+        ids = tf.constant([0x7FC00000, 0x7F800000, 3, 2**40 + 5], tf.int64)
+        rows = tf.reshape(tf.range(16, dtype=tf.float32), [4, 4])
+        grads = [
+            tf.IndexedSlices(rows, ids, tf.constant([50, 4], tf.int64)),
+            tf.ones(variables[1].shape) * 2.0,
+            tf.ones(variables[2].shape) * 3.0,
+        ]
+        aggregator = opt._aggregator
+        aggregator.build(list(zip(grads, variables)))
+        layout = aggregator._layout
+        packed = [
+            tf.concat(
+                [tf.reshape(grads[1], [-1]), tf.reshape(grads[2], [-1])], 0
+            )
+        ]
+        sparse = [(ids, rows)]
+        worker = tf.constant(1, tf.int64)
+        wire = aggregation._Wire(
+            aggregator.device, layout, packed, sparse, worker
+        )
+        self.assertEqual(wire.tensor.dtype, tf.float32)
+        self.assertEqual(wire.tensor.shape.rank, 1)
+        arrived = wire.unpack()
+        self.assertEqual(int(arrived["worker"]), 1)
+        np.testing.assert_array_equal(arrived["packed"][0], packed[0])
+        got_ids, got_rows = arrived["sparse"][0]
+        self.assertEqual(got_ids.dtype, tf.int64)
+        np.testing.assert_array_equal(got_ids, ids)
+        np.testing.assert_array_equal(got_rows, rows)
 
 
 class BackupWorkerTest(absltest.TestCase):

@@ -339,22 +339,12 @@ class Aggregator:
             for group in layout.dense
         ]
         sparse = [_dedup(by_key[_key(s.variable)]) for s in layout.sparse]
-        # The worker's index rides at the end of the first dense tensor: one
-        # tensor fewer crosses to the ps per push (each costs ~10% on W1).
-        ride = worker is not None and packed and packed[0].dtype.is_floating
-        if ride:
-            packed[0] = tf.concat(
-                [packed[0], tf.cast(tf.reshape(worker, [1]), packed[0].dtype)],
-                axis=0,
-            )
-        arrived = {"packed": packed, "worker": worker}
+        wire = _Wire(self.device, layout, packed, sparse, worker)
+        arrived = {"packed": packed, "sparse": sparse, "worker": worker}
 
         def unpack():
             # On the ps, inside the critical section.
-            if ride:
-                first = arrived["packed"][0]
-                arrived["worker"] = tf.cast(tf.round(first[-1]), tf.int64)
-                arrived["packed"] = [first[:-1]] + packed[1:]
+            arrived.update(wire.unpack())
 
         def accumulate():
             adds = [
@@ -363,7 +353,7 @@ class Aggregator:
             ]
             adds += [
                 s.queue.enqueue([idx, val])
-                for s, (idx, val) in zip(layout.sparse, sparse)
+                for s, (idx, val) in zip(layout.sparse, arrived["sparse"])
             ]
             with tf.control_dependencies(adds):
                 self.accepted.assign_add(1, read_value=False)
@@ -416,7 +406,8 @@ class Aggregator:
                     for p in arrived["packed"]
                 ]
                 sums += [
-                    tf.reduce_sum(tf.cast(v, tf.float32)) for _, v in sparse
+                    tf.reduce_sum(tf.cast(v, tf.float32))
+                    for _, v in arrived["sparse"]
                 ]
                 ok = tf.math.is_finite(tf.add_n(sums))
             elif finite is None:
@@ -559,6 +550,93 @@ def _count_worker(counts, worker):
             tf.ones([1], tf.int64), tf.reshape(tf.cast(worker, tf.int64), [1])
         )
     )
+
+
+class _Wire:
+    """One float32 tensor carries a push to the critical section's ps.
+
+    Each tensor that crosses from a worker to a ps is a transfer of its own,
+    and on small models the transfers are most of a step. Everything bound
+    for the ps of the critical section travels in one float32 tensor:
+    `[rows per sparse gradient | dense float32 gradients | worker index |
+    per sparse gradient: its int64 row ids bit-cast to float32 pairs, then
+    its values]`. Bit casts and slices copy bits, so ids arrive exact (they
+    never enter arithmetic: the finiteness check sums the unpacked values
+    only). Gradients of other dtypes, or for variables on other ps tasks,
+    travel as before.
+    """
+
+    DTYPE = tf.float32
+
+    def __init__(self, device, layout, packed, sparse, worker):
+        self._dense = [
+            i
+            for i, g in enumerate(layout.dense)
+            if g.device == device and g.dtype == self.DTYPE
+        ]
+        self._sparse = [
+            i
+            for i, slot in enumerate(layout.sparse)
+            if slot.variable.device == device
+            and slot.variable.dtype.base_dtype == self.DTYPE
+        ]
+        self._layout = layout
+        self._packed = packed
+        self._sparse_in = sparse
+        self._worker = worker
+        self.tensor = None
+        if not (self._dense or self._sparse):
+            return  # the worker index alone gains nothing
+        parts = []
+        if self._sparse:
+            parts.append(
+                tf.cast(
+                    tf.stack([tf.size(sparse[i][0]) for i in self._sparse]),
+                    self.DTYPE,
+                )
+            )
+        parts += [packed[i] for i in self._dense]
+        if worker is not None:
+            parts.append(tf.cast(tf.reshape(worker, [1]), self.DTYPE))
+        for i in self._sparse:
+            ids, values = sparse[i]
+            parts.append(tf.reshape(tf.bitcast(ids, self.DTYPE), [-1]))
+            parts.append(tf.reshape(values, [-1]))
+        self.tensor = tf.concat(parts, axis=0)
+
+    def unpack(self):
+        """`{"packed", "sparse", "worker"}` as they arrived (on the ps)."""
+        packed = list(self._packed)
+        sparse = list(self._sparse_in)
+        worker = self._worker
+        if self.tensor is None:
+            return {"packed": packed, "sparse": sparse, "worker": worker}
+        wire = self.tensor
+        offset = len(self._sparse)
+        rows = tf.cast(tf.round(wire[:offset]), tf.int32)
+        for i in self._dense:
+            size = sum(self._layout.dense[i].sizes)
+            packed[i] = wire[offset : offset + size]
+            offset += size
+        if worker is not None:
+            worker = tf.cast(tf.round(wire[offset]), tf.int64)
+            offset += 1
+        at = tf.constant(offset, tf.int32)
+        for j, i in enumerate(self._sparse):
+            n = rows[j]
+            tail = self._layout.sparse[i].variable.shape[1:].as_list()
+            width = int(np.prod(tail))
+            ids = tf.bitcast(
+                tf.reshape(tf.slice(wire, [at], [2 * n]), [n, 2]), tf.int64
+            )
+            at += 2 * n
+            values = tf.reshape(
+                tf.slice(wire, [at], [n * width]),
+                tf.concat([[n], tf.constant(tail, tf.int32)], axis=0),
+            )
+            at += n * width
+            sparse[i] = (ids, values)
+        return {"packed": packed, "sparse": sparse, "worker": worker}
 
 
 def _dedup(grad):
