@@ -286,18 +286,19 @@ class Aggregator:
 
     def metrics_from(self, stats):
         """The sync metrics of the logs, from the counters a push returned."""
-        counts, waited = stats
-        values = tf.unstack(counts)
+        (packed,) = stats
+        values = tf.unstack(packed)
+        counts = [tf.cast(v, tf.int64) for v in values[:-1]]
         n = self.num_workers
         metrics = {
-            "sync_steps": values[0],
-            "stale_dropped": values[1],
-            "nonfinite_dropped": values[2],
-            "barrier_wait_s": waited,
+            "sync_steps": counts[0],
+            "stale_dropped": counts[1],
+            "nonfinite_dropped": counts[2],
+            "barrier_wait_s": values[-1],
         }
         for i in range(n):
-            metrics[f"accepted_w{i}"] = values[3 + i]
-            metrics[f"stale_w{i}"] = values[3 + n + i]
+            metrics[f"accepted_w{i}"] = counts[3 + i]
+            metrics[f"stale_w{i}"] = counts[3 + n + i]
         return metrics
 
     def give_back(self, after):
@@ -308,10 +309,10 @@ class Aggregator:
     def push(self, tag, grads_and_vars, finite=None, waited=None, worker=None):
         """Pushes one replica's gradients.
 
-        Returns `(applied, counts, waited_total)`: True iff this push
-        completed a step; then, read on the ps right after it, the counters
-        `[global step, stale, non-finite, accepted per worker..., stale per
-        worker...]` and the total barrier wait. They ride back with the
+        Returns `(applied, stats)`: True iff this push completed a step;
+        then, read on the ps right after it, one float64 vector of the
+        counters `[global step, stale, non-finite, accepted per worker...,
+        stale per worker..., total barrier wait]`. It rides back with the
         push's answer, so the logs cost no extra round trip.
 
         Args:
@@ -444,7 +445,19 @@ class Aggregator:
                     ],
                     axis=0,
                 )
-                return applied, counts, self.wait_seconds.read_value()
+                # One float64 tensor (counts exact below 2**53): one
+                # transfer back to the worker when the logs use them.
+                stats = tf.concat(
+                    [
+                        tf.cast(counts, tf.float64),
+                        tf.reshape(
+                            tf.cast(self.wait_seconds.read_value(), tf.float64),
+                            [1],
+                        ),
+                    ],
+                    axis=0,
+                )
+                return applied, stats
 
         with tf.device(self.device):
             with _uncached_reads():
@@ -513,7 +526,11 @@ class Aggregator:
             grads_and_vars.append(
                 (
                     tf.IndexedSlices(
-                        val / n, idx, tf.shape(slot.variable, tf.int64)
+                        # Static: tf.shape(variable) would read the whole
+                        # table (12.8 MB of W3's ps, every step).
+                        val / n,
+                        idx,
+                        tf.constant(slot.variable.shape.as_list(), tf.int64),
                     ),
                     slot.variable,
                 )

@@ -86,9 +86,9 @@ class _PackedReads:
     tensors on the worker are rewired to slices of that one tensor. The
     values are those of the individual reads (all after the tag). A step
     that wrote a variable and read it again would see the first read,
-    which tf2sync rules out: variables only change in the ps's critical
-    section. Variables read sparsely (embedding lookups) are not cached and
-    keep their own gathers.
+    which tf2sync rules out for trainable variables, the only ones packed:
+    they only change in the ps's critical section. Variables read sparsely
+    (embedding lookups) are not cached and keep their own gathers.
     """
 
     def __init__(self, variables, tag):
@@ -127,6 +127,7 @@ class _PackedReads:
             cached = var._cache
             if (
                 cached is None
+                or not var.trainable  # may be written, then read, in a step
                 or cached.graph is not graph
                 or cached.op.type != "Identity"
                 or not var.shape.is_fully_defined()
