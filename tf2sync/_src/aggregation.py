@@ -306,7 +306,15 @@ class Aggregator:
         with tf.control_dependencies(after), tf.device(self.device):
             return self._tokens.enqueue(tf.constant(0, tf.int64))
 
-    def push(self, tag, grads_and_vars, finite=None, waited=None, worker=None):
+    def push(
+        self,
+        tag,
+        grads_and_vars,
+        finite=None,
+        waited=None,
+        worker=None,
+        stats=True,
+    ):
         """Pushes one replica's gradients.
 
         Returns `(applied, stats)`: True iff this push completed a step;
@@ -325,6 +333,8 @@ class Aggregator:
           waited: Optional float64 seconds this step waited for its token.
           worker: Optional int64 index of the pushing worker, for the
             per-worker counts.
+          stats: Whether to read the counters for the caller (`model.fit`'s
+            logs); otherwise `stats` is empty.
         """
         self.build(grads_and_vars)
         layout = self._layout
@@ -430,6 +440,8 @@ class Aggregator:
                     branch,
                     [reject, accumulate, nonfinite, discard_then_accumulate],
                 )
+            if not stats:  # nobody reads them: no ps work per push
+                return applied, tf.zeros([0], tf.float64)
             with tf.control_dependencies([applied]):
                 counts = tf.concat(
                     [
@@ -447,7 +459,7 @@ class Aggregator:
                 )
                 # One float64 tensor (counts exact below 2**53): one
                 # transfer back to the worker when the logs use them.
-                stats = tf.concat(
+                packed_stats = tf.concat(
                     [
                         tf.cast(counts, tf.float64),
                         tf.reshape(
@@ -457,7 +469,7 @@ class Aggregator:
                     ],
                     axis=0,
                 )
-                return applied, stats
+                return applied, packed_stats
 
         with tf.device(self.device):
             with _uncached_reads():

@@ -336,13 +336,22 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             with tf.control_dependencies(checks):
                 tag = tf.identity(tag)
             applied, *stats = self._aggregator.push(
-                tag, grads_and_vars, waited=waited, worker=worker
+                tag,
+                grads_and_vars,
+                waited=waited,
+                worker=worker,
+                stats=step.want_stats,
             )
             step.stats = tuple(stats)
             return applied
         # Checked on the ps, from what the push sends anyway.
         applied, *stats = self._aggregator.push(
-            tag, grads_and_vars, finite="check", waited=waited, worker=worker
+            tag,
+            grads_and_vars,
+            finite="check",
+            waited=waited,
+            worker=worker,
+            stats=step.want_stats,
         )
         step.stats = tuple(stats)
         return applied

@@ -33,6 +33,7 @@ class StepContext:
         self.worker = worker
         self.pushed = False
         self.stats = None  # set by the push: counters read on the ps
+        self.want_stats = True  # whether the push should read them
 
 
 def current_step():
@@ -408,6 +409,7 @@ class SyncParameterServerStrategy(
             return result
         tag, waited = aggregator.acquire()
         step = StepContext(tag, waited, current_worker())
+        step.want_stats = _is_keras_train_step(fn)  # for fit's logs only
 
         variables = self._extended._tf2sync_variables
 
