@@ -191,6 +191,23 @@ class WireTest(absltest.TestCase):
         np.testing.assert_array_equal(got_rows, rows)
 
 
+class SparseApplyPathTest(absltest.TestCase):
+    def test_unique_rows_skip_only_a_pure_deduplication(self):
+        from tf2sync._src import keras_compat
+
+        legacy = tf.keras.optimizers.legacy
+
+        class Own(legacy.SGD):
+            def _resource_apply_sparse_duplicate_indices(self, *a, **k):
+                return super()._resource_apply_sparse_duplicate_indices(*a, **k)
+
+        check = keras_compat._dedups_then_applies
+        self.assertTrue(check(legacy.SGD(0.1, momentum=0.9)))
+        self.assertTrue(check(legacy.Adam(0.1)))
+        self.assertFalse(check(legacy.SGD(0.1)))  # scatters: no slot
+        self.assertFalse(check(Own(0.1, momentum=0.9)))  # its own override
+
+
 class BackupWorkerTest(absltest.TestCase):
     def test_slow_replica_is_dropped_as_stale_and_never_applied(self):
         # 3 workers, 2 aggregated: the replica delayed after reading its tag

@@ -198,6 +198,27 @@ def _touch(variable):
     return variable.sparse_read([0])
 
 
+def _dedups_then_applies(optimizer) -> bool:
+    """Whether the optimizer's duplicate-index path only deduplicates.
+
+    tf2sync's aggregated sparse gradients have unique rows already, so for
+    such optimizers `_resource_apply_sparse` does the same work without a
+    second unique and segment sum over every row (~10% of W3's step).
+    """
+    base = tf.keras.optimizers.legacy.Optimizer
+    method = type(optimizer)._resource_apply_sparse_duplicate_indices
+    if method is base._resource_apply_sparse_duplicate_indices:
+        return True
+    # SGD's override scatters directly without momentum and defers to the
+    # base (deduplicate, then apply) with it.
+    sgd = tf.keras.optimizers.legacy.SGD
+    return (
+        isinstance(optimizer, sgd)
+        and method is sgd._resource_apply_sparse_duplicate_indices
+        and bool(optimizer._momentum)
+    )
+
+
 def _apply_legacy(optimizer, grads_and_vars):
     var_list = [v for _, v in grads_and_vars]
     grads_and_vars = optimizer._transform_gradients(grads_and_vars)
@@ -207,7 +228,12 @@ def _apply_legacy(optimizer, grads_and_vars):
         return updates
     for grad, var in grads_and_vars:
         if isinstance(grad, tf.IndexedSlices):
-            op = optimizer._resource_apply_sparse_duplicate_indices(
+            apply_sparse = (
+                optimizer._resource_apply_sparse
+                if _dedups_then_applies(optimizer)
+                else optimizer._resource_apply_sparse_duplicate_indices
+            )
+            op = apply_sparse(
                 grad.values, var, grad.indices, apply_state=apply_state
             )
         else:
