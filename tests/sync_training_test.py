@@ -4,6 +4,8 @@ Each test compares against a single-process reference: synchronous training
 with N replicas at batch B must follow single-process training at batch N*B.
 """
 
+import tempfile
+
 import numpy as np
 import tensorflow as tf
 import testutil
@@ -206,6 +208,45 @@ class SparseApplyPathTest(absltest.TestCase):
         self.assertTrue(check(legacy.Adam(0.1)))
         self.assertFalse(check(legacy.SGD(0.1)))  # scatters: no slot
         self.assertFalse(check(Own(0.1, momentum=0.9)))  # its own override
+
+
+class RestoreTest(absltest.TestCase):
+    def test_pushes_pending_at_a_restore_are_dropped_not_mixed_in(self):
+        # 3 pushes: one update and one pending (sparse and dense parts).
+        # Restoring step 0 makes it a leftover of another trajectory: the
+        # next push drops it, and the update after the restore is exactly
+        # one full-batch step from the restored weights. The dropped push's
+        # token comes back: the watchdog never has to release one.
+        strategy = testutil.strategy(
+            2, replicas_to_aggregate=2, token_timeout=2.0
+        )
+        x, y = testutil.data("sparse", 16)
+        dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+        with strategy.scope():
+            model = testutil.sparse_model()
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+            model.compile(optimizer=opt, loss=testutil.LOSS)
+        initial = model.get_weights()
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=opt)
+        path = checkpoint.save(tempfile.mkdtemp() + "/ckpt")
+        model.fit(dataset, epochs=1, steps_per_epoch=3, verbose=0)
+        self.assertEqual(int(opt.iterations.numpy()), 1)
+        stale = int(opt.stale_dropped.numpy())
+        checkpoint.restore(path)
+        model.fit(dataset, epochs=1, steps_per_epoch=2, verbose=0)
+        self.assertEqual(int(opt.iterations.numpy()), 1)
+        self.assertEqual(int(opt.stale_dropped.numpy()), stale + 1)
+        self.assertEqual(strategy._watchdog.released, 0)
+        reference = testutil.sparse_model()
+        reference.set_weights(initial)
+        reference.compile(
+            optimizer=tf.keras.optimizers.SGD(0.1), loss=testutil.LOSS
+        )
+        reference.train_on_batch(x, y)
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), reference.get_weights()),
+            1e-6,
+        )
 
 
 class BackupWorkerTest(absltest.TestCase):

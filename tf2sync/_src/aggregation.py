@@ -369,12 +369,7 @@ class Aggregator:
             with tf.control_dependencies(adds):
                 self.accepted.assign_add(1, read_value=False)
                 _count_worker(self.accepted_per_worker, arrived["worker"])
-                count = self.count.assign_add(1)
-            return tf.cond(
-                count >= self.config.replicas_to_aggregate,
-                lambda: self._apply(count),
-                lambda: tf.constant(False),
-            )
+                return self.count.assign_add(1)
 
         def discard_then_accumulate():
             # The accumulators hold pushes of another step (a checkpoint
@@ -391,7 +386,7 @@ class Aggregator:
                     _count_worker(self.stale_per_worker, arrived["worker"]),
                 ]
             ):
-                return tf.constant(False)
+                return tf.constant(-1, tf.int64)
 
         def nonfinite():
             with _SyncApplyScope():
@@ -400,11 +395,14 @@ class Aggregator:
                     self._tokens.enqueue(tf.constant(0, tf.int64)),
                 ] + [op for hook in self.on_nonfinite for op in hook()]
             with tf.control_dependencies(ops):
-                return tf.constant(False)
+                return tf.constant(-1, tf.int64)
 
         def body():
-            # One switch, not nested conds: each cond level costs a
-            # measurable share of a small model's step.
+            # One switch picks what the push does (it returns the pending
+            # count, -1 for a dropped push), then one cond applies: no
+            # nested conds (each level costs a measurable share of a small
+            # model's step), and the apply appears once in the graph (each
+            # copy costs the ps ~3 MB per worker that runs the step).
             unpack()
             step = self.global_step.read_value()
             fresh = tag >= step
@@ -436,10 +434,15 @@ class Aggregator:
                     self.wait_seconds.assign_add(waited, read_value=False)
                 )
             with tf.control_dependencies(ops):
-                applied = tf.switch_case(
+                count = tf.switch_case(
                     branch,
                     [reject, accumulate, nonfinite, discard_then_accumulate],
                 )
+            applied = tf.cond(
+                count >= self.config.replicas_to_aggregate,
+                lambda: self._apply(count),
+                lambda: tf.constant(False),
+            )
             if not stats:  # nobody reads them: no ps work per push
                 return applied, tf.zeros([0], tf.float64)
             with tf.control_dependencies([applied]):
@@ -513,13 +516,29 @@ class Aggregator:
     def _discard(self, step):
         """Drops leftovers of another step (e.g. after a checkpoint restore)."""
         count = self.count.read_value()
-        drained = [i for i, _ in self._drain_sparse(count)]
+        # Dequeue and drop: no concatenation or deduplication (this copy of
+        # the loop is instantiated on the ps for every worker too).
+        drained = [
+            tf.while_loop(
+                lambda i: i < count,
+                lambda i, q=slot.queue: _after(q.dequeue(), i + 1),
+                [tf.constant(0, tf.int64)],
+            )
+            for slot in self._layout.sparse
+        ]
         with tf.control_dependencies(drained):
             ops = [
                 g.buffer.assign(tf.zeros_like(g.buffer), read_value=False)
                 for g in self._layout.dense
             ]
             ops.append(self.stale_dropped.assign_add(count, read_value=False))
+            # Each dropped push took a token its step will not get back
+            # from an update: return them, or the barrier runs short.
+            ops.append(
+                self._tokens.enqueue_many(
+                    [tf.zeros(tf.reshape(count, [1]), tf.int64)]
+                )
+            )
             ops.append(self.count.assign(0, read_value=False))
             ops.append(self.acc_step.assign(step, read_value=False))
         return tf.group(ops)
@@ -568,6 +587,12 @@ class Aggregator:
             )
         with tf.control_dependencies([release]):
             return tf.constant(True)
+
+
+def _after(ops, value):
+    """`value`, once `ops` ran."""
+    with tf.control_dependencies(tf.nest.flatten(ops)):
+        return tf.identity(value)
 
 
 def _count_worker(counts, worker):
