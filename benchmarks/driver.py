@@ -25,7 +25,14 @@ SYSTEMS = (
     "mwms",
 )
 PSS_SYSTEMS = ("tf2sync_fit", "tf2sync_loop", "pss_async", "pss_async_fit")
-SCENARIOS = ("main", "straggler", "scaling", "memory", "accuracy")
+SCENARIOS = (
+    "main",
+    "straggler",
+    "scaling",
+    "model_size",
+    "memory",
+    "accuracy",
+)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 

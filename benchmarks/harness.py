@@ -20,6 +20,7 @@ Systems (scenario `main`):
 Scenarios: `main` (each workload x system), `straggler` (3 workers, worker
 0 sleeps 3x its compute time per step: tf2sync with 0 and 1 backup worker
 vs stock PSS), `scaling` (tf2sync step cost with 1..4 workers on w1),
+`model_size` (tf2sync and stock PSS on w1 with 64..4096 hidden units),
 `memory` (RSS of a subprocess ps on w3 with 1..4 workers), `accuracy`
 (time to 95 % held-out accuracy on digits, tf2sync vs stock PSS).
 
@@ -91,6 +92,11 @@ _STRAGGLER_FACTOR = flags.DEFINE_float(
 _STRAGGLER_FUNCTIONS = flags.DEFINE_integer(
     "straggler_functions", 12, "Timed functions per straggler run."
 )
+_MODEL_WIDTHS = flags.DEFINE_list(
+    "model_widths",
+    ["64", "256", "1024", "4096"],
+    "Hidden units of w1 (model_size).",
+)
 _SCALING_WORKERS = flags.DEFINE_list(
     "scaling_workers", ["1", "2", "3", "4"], "Worker counts (scaling)."
 )
@@ -150,6 +156,7 @@ class Settings:
     straggler_factor: float
     straggler_functions: int
     scaling_workers: list
+    model_widths: list
     memory_workers: list
     accuracy_target: float
     accuracy_epochs: int
@@ -185,6 +192,7 @@ def _settings() -> Settings:
         straggler_factor=_STRAGGLER_FACTOR.value,
         straggler_functions=given(_STRAGGLER_FUNCTIONS, 3),
         scaling_workers=[int(n) for n in given(_SCALING_WORKERS, ["1", "2"])],
+        model_widths=[int(n) for n in given(_MODEL_WIDTHS, ["64", "256"])],
         memory_workers=[int(n) for n in given(_MEMORY_WORKERS, ["1", "2"])],
         accuracy_target=_ACCURACY_TARGET.value,
         accuracy_epochs=given(_ACCURACY_EPOCHS, 2),
@@ -246,6 +254,8 @@ def main(argv):
             scenarios.scenario_straggler(bench)
         if "scaling" in settings.scenarios:
             scenarios.scenario_scaling(bench)
+        if "model_size" in settings.scenarios:
+            scenarios.scenario_model_size(bench)
         if "memory" in settings.scenarios:
             scenarios.scenario_memory(bench)
         if "accuracy" in settings.scenarios:

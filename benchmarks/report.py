@@ -213,6 +213,7 @@ def render(records, image_note) -> str:
     for title, section in (
         ("Straggler", sections.straggler_section(records)),
         ("Scaling", sections.scaling_section(records)),
+        ("Model size", sections.model_size_section(records)),
         ("ps memory", sections.memory_section(records)),
         ("Time to accuracy", sections.accuracy_section(records)),
     ):

@@ -4,6 +4,8 @@
 * `straggler`: 3 workers, worker 0 sleeping `straggler_factor` x its
   compute time per step: tf2sync with 0 and 1 backup worker, stock PSS.
 * `scaling`: the step cost of tf2sync's custom loop with 1..4 workers (w1).
+* `model_size`: tf2sync's custom loop and stock PSS on w1 with 64..4096
+  hidden units, 2 workers.
 * `memory`: the RSS of a ps running as its own process (w3), 1..4 workers.
 * `accuracy`: time to a held-out accuracy on digits, tf2sync vs stock PSS.
 """
@@ -122,6 +124,38 @@ def scenario_scaling(bench, workload="w1"):
     try:
         bench.setup(endpoints, base)
         bench.interleave(endpoints, s.functions[workload], base, extra)
+    finally:
+        bench.close(endpoints)
+
+
+def scenario_model_size(bench, workers=2):
+    """tf2sync's loop and stock PSS on w1 as its hidden layer widens."""
+    s = bench.s
+    base = {
+        "scenario": "model_size",
+        "workers": workers,
+        "steps_per_function": s.k,
+        "functions": s.functions["w1"],
+    }
+    endpoints, extra = [], {}
+    for width in s.model_widths:
+        workload = f"w1_h{width}"
+        child = bench.start_pss(f"pss_size_{width}", workers)
+        for system in ("tf2sync_loop", "pss_async"):
+            name = f"{system}_h{width}"
+            args = {"system": system, "workload": workload, "k": s.k}
+            endpoints.append(Endpoint(name, "pss", [child], args, workers))
+            extra[name] = {
+                "config": system,
+                "workload": workload,
+                "width": width,
+                # 32 -> width relu -> 10 (workloads.py; this process does
+                # not import TensorFlow).
+                "parameters": 32 * width + width + width * 10 + 10,
+            }
+    try:
+        bench.setup(endpoints, base)
+        bench.interleave(endpoints, s.functions["w1"], base, extra)
     finally:
         bench.close(endpoints)
 

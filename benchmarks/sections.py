@@ -210,6 +210,55 @@ def scaling_section(records) -> list[str]:
     ]
 
 
+def model_size_section(records) -> list[str]:
+    per = {}
+    for r in runs(records, "model_size"):
+        key = (r["width"], r["parameters"])
+        ms = 1e3 * r["seconds"] / max(1, r["steps"])
+        cell = per.setdefault(key, {}).setdefault(r["config"], [])
+        cell.append((ms, r["examples_per_sec"]))
+    if not per:
+        return []
+    first = min(per)
+    base = median([ms for ms, _ in per[first].get("tf2sync_loop", [])] or [0])
+    rows = []
+    for key in sorted(per):
+        width, parameters = key
+        sync = per[key].get("tf2sync_loop", [])
+        stock = per[key].get("pss_async", [])
+        ms = median([m for m, _ in sync]) if sync else None
+        sync_rate = median([e for _, e in sync]) if sync else None
+        stock_rate = median([e for _, e in stock]) if stock else None
+        rows.append(
+            [
+                width,
+                f"{parameters:,}",
+                fmt(ms, ".2f"),
+                fmt(ratio(ms, base) if ms and base else None, ".2f"),
+                fmt(sync_rate),
+                fmt(stock_rate),
+                fmt(ratio(sync_rate, stock_rate), ".2f"),
+            ]
+        )
+    header = [
+        "hidden units",
+        "parameters",
+        "tf2sync ms / sync step",
+        f"vs {first[0]} units",
+        "tf2sync ex/s",
+        "pss_async ex/s",
+        "tf2sync / pss_async",
+    ]
+    return [
+        "w1 (32 -> H relu -> 10, batch 32 per worker), 2 workers + 1 ps; "
+        "tf2sync's custom loop (a step is one synchronous update of 2 "
+        "gradients) and stock asynchronous PSS, interleaved.",
+        "",
+        *table(header, rows),
+        "",
+    ]
+
+
 def _memory_rows(records):
     return [
         r

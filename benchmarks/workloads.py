@@ -5,6 +5,7 @@
   average pool, dense 10), batch 64 per worker.
 * w3: sparse: Embedding 100,000 x 32 over 20 ids per example, mean,
   dense 64 relu, dense 1 (mean squared error), batch 128 per worker.
+* w1_h<H>: w1 with H hidden units (the model-size sweep; w1 is w1_h64).
 
 Data are synthetic with a fixed seed (8 batches, repeated); the optimizer
 is momentum SGD (0.01, momentum 0.9).
@@ -21,7 +22,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 WORKLOADS = ("w1", "w2", "w3")
-BATCH = {"w1": 32, "w2": 64, "w3": 128}
+WIDTHS = (64, 256, 1024, 4096)  # hidden units of the model-size sweep
+BATCH = {"w1": 32, "w2": 64, "w3": 128} | {f"w1_h{h}": 32 for h in WIDTHS}
 VOCAB = 100_000
 EMBED_DIM = 32
 IDS_PER_EXAMPLE = 20
@@ -39,10 +41,11 @@ def build_model(workload: str) -> tf.keras.Model:
     """The workload's tf_keras model (create it under the strategy scope)."""
     tf.keras.utils.set_random_seed(SEED)
     layers = tf.keras.layers
-    if workload == "w1":
+    if workload == "w1" or workload.startswith("w1_h"):
+        width = 64 if workload == "w1" else int(workload[len("w1_h") :])
         return tf.keras.Sequential(
             [
-                layers.Dense(64, activation="relu", input_shape=(32,)),
+                layers.Dense(width, activation="relu", input_shape=(32,)),
                 layers.Dense(10),
             ]
         )
@@ -75,7 +78,7 @@ def build_model(workload: str) -> tf.keras.Model:
 def make_data(workload: str, n: int, seed: int = SEED):
     """`n` synthetic (x, y) examples of the workload, as NumPy arrays."""
     rng = np.random.RandomState(seed)
-    if workload == "w1":
+    if workload.startswith("w1"):
         return rng.randn(n, 32).astype("float32"), rng.randint(0, 10, n)
     if workload == "w2":
         x = rng.randn(n, 32, 32, 3).astype("float32")

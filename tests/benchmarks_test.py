@@ -117,6 +117,39 @@ class HarnessSmokeTest(absltest.TestCase):
         self.assertEqual(done[0]["alive"], [])
         _wait_gone(self, started, seconds=1.0)
 
+    def test_model_size_scenario_reports_each_width(self):
+        out = self._tempdir()
+        proc = subprocess.run(
+            [
+                sys.executable,
+                _HARNESS,
+                "--smoke",
+                "--scenarios=model_size",
+                "--model_widths=64,256",
+                f"--output_dir={out}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+        with open(os.path.join(out, "benchmarks.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        self.assertEqual([r for r in records if "error" in r], [])
+        runs = [r for r in records if r.get("scenario") == "model_size"]
+        self.assertCountEqual(
+            {(r["config"], r["width"]) for r in runs if "seconds" in r},
+            {
+                (system, width)
+                for system in ("tf2sync_loop", "pss_async")
+                for width in (64, 256)
+            },
+        )
+        with open(os.path.join(out, "benchmarks.md")) as f:
+            markdown = f.read()
+        self.assertIn("## Model size", markdown)
+        self.assertIn("| 256 | 11,018 | ", markdown)  # 32*256 + 256 + 2570
+
     def test_killed_harness_leaves_no_process(self):
         """SIGKILL to the harness: the kernel ends its subprocesses."""
         out = self._tempdir()
