@@ -9,7 +9,8 @@ The protocol, for one synchronous optimizer with global step `g` (its
    model-variable read of the step is ordered after the tag read, so the
    gradient is computed from weights at least as new as step `tag`.
 3. The replica packs its dense gradients into one tensor per (ps, dtype) and
-   its sparse gradients into deduplicated `(indices, values)` pairs, and
+   its sparse gradients into deduplicated `(indices, values)` pairs (all
+   float32 ones bound for `g`'s ps travel as one tensor, see `_Wire`), and
    pushes them inside a `tf.CriticalSection` whose body runs on `g`'s ps:
    * `tag < g`: the gradient is stale (its weights are older than the
      current step). It is dropped and counted, never applied.
