@@ -66,7 +66,8 @@ class HarnessSmokeTest(absltest.TestCase):
         self.addCleanup(tmp.cleanup)
         return tmp.name
 
-    def test_smoke_run_reports_every_system_and_ends_every_process(self):
+    def _smoke(self, *flags):
+        """Runs a smoke harness; returns (process, output dir, records)."""
         out = self._tempdir()
         proc = subprocess.run(
             [
@@ -74,7 +75,7 @@ class HarnessSmokeTest(absltest.TestCase):
                 _HARNESS,
                 "--smoke",
                 f"--output_dir={out}",
-                f"--subprocess_logs={os.path.join(out, 'logs')}",
+                *flags,
             ],
             capture_output=True,
             text=True,
@@ -84,6 +85,11 @@ class HarnessSmokeTest(absltest.TestCase):
         with open(os.path.join(out, "benchmarks.jsonl")) as f:
             records = [json.loads(line) for line in f]
         self.assertEqual([r for r in records if "error" in r], [])
+        return proc, out, records
+
+    def test_smoke_run_reports_every_system_and_ends_every_process(self):
+        logs = os.path.join(self._tempdir(), "logs")
+        proc, out, records = self._smoke(f"--subprocess_logs={logs}")
         runs = [
             r
             for r in records
@@ -118,24 +124,9 @@ class HarnessSmokeTest(absltest.TestCase):
         _wait_gone(self, started, seconds=1.0)
 
     def test_model_size_scenario_reports_each_width(self):
-        out = self._tempdir()
-        proc = subprocess.run(
-            [
-                sys.executable,
-                _HARNESS,
-                "--smoke",
-                "--scenarios=model_size",
-                "--model_widths=64,256",
-                f"--output_dir={out}",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=240,
+        _, out, records = self._smoke(
+            "--scenarios=model_size", "--model_widths=64,256"
         )
-        self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
-        with open(os.path.join(out, "benchmarks.jsonl")) as f:
-            records = [json.loads(line) for line in f]
-        self.assertEqual([r for r in records if "error" in r], [])
         runs = [r for r in records if r.get("scenario") == "model_size"]
         self.assertCountEqual(
             {(r["config"], r["width"]) for r in runs if "seconds" in r},

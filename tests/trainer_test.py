@@ -26,6 +26,20 @@ def _parts(seed=0):
     return strategy, model, optimizer
 
 
+def _trainer(parts, steps_per_loop, cls=tf2sync.Trainer, **kwargs):
+    """A silent trainer of `parts` (strategy, model, optimizer)."""
+    strategy, model, optimizer = parts
+    return cls(
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        loss_fn=testutil.mean_loss,
+        steps_per_loop=steps_per_loop,
+        verbose=0,
+        **kwargs,
+    )
+
+
 class _Recorder(tf.keras.callbacks.Callback):
     def __init__(self):
         super().__init__()
@@ -58,14 +72,8 @@ class TrainerTest(absltest.TestCase):
     def test_hooks_callbacks_and_sync_steps(self):
         strategy, model, optimizer = _parts()
         recorder = _Recorder()
-        trainer = _Hooked(
-            strategy=strategy,
-            model=model,
-            optimizer=optimizer,
-            loss_fn=testutil.mean_loss,
-            steps_per_loop=4,
-            callbacks=[recorder],
-            verbose=0,
+        trainer = _trainer(
+            (strategy, model, optimizer), 4, cls=_Hooked, callbacks=[recorder]
         )
         history = trainer.train(_dataset_fn, epochs=2, steps_per_epoch=8)
         self.assertEqual(trainer.begins, 2)
@@ -86,39 +94,22 @@ class TrainerTest(absltest.TestCase):
 
     def test_resume_is_exact(self):
         strategy, model, optimizer = _parts()
-        tf2sync.Trainer(
-            strategy=strategy,
-            model=model,
-            optimizer=optimizer,
-            loss_fn=testutil.mean_loss,
-            steps_per_loop=2,
-            verbose=0,
-        ).train(_dataset_fn, epochs=4, steps_per_epoch=4)
+        _trainer((strategy, model, optimizer), 2).train(
+            _dataset_fn, epochs=4, steps_per_epoch=4
+        )
         uninterrupted = model.get_weights()
         ema = [v.numpy() for v in optimizer.ema_variables]
 
         directory = tempfile.mkdtemp()
         strategy, model, optimizer = _parts()
-        tf2sync.Trainer(
-            strategy=strategy,
-            model=model,
-            optimizer=optimizer,
-            loss_fn=testutil.mean_loss,
-            steps_per_loop=2,
-            checkpoint_dir=directory,
-            verbose=0,
+        _trainer(
+            (strategy, model, optimizer), 2, checkpoint_dir=directory
         ).train(_dataset_fn, epochs=2, steps_per_epoch=4)
         # A new process would start from scratch: a fresh strategy, model
         # (other initial weights) and optimizer, the same checkpoint_dir.
         strategy, model, optimizer = _parts(seed=7)
-        history = tf2sync.Trainer(
-            strategy=strategy,
-            model=model,
-            optimizer=optimizer,
-            loss_fn=testutil.mean_loss,
-            steps_per_loop=2,
-            checkpoint_dir=directory,
-            verbose=0,
+        history = _trainer(
+            (strategy, model, optimizer), 2, checkpoint_dir=directory
         ).train(_dataset_fn, epochs=4, steps_per_epoch=4)
         self.assertLen(history.history["loss"], 2)  # epochs 3 and 4 only
         self.assertEqual(int(optimizer.iterations.numpy()), 8)
@@ -150,14 +141,8 @@ class TrainerTest(absltest.TestCase):
         steps = []
         for seed, epochs in ((0, 1), (7, 3)):  # the second run resumes
             strategy, model, optimizer = parts(seed)
-            trainer = tf2sync.Trainer(
-                strategy=strategy,
-                model=model,
-                optimizer=optimizer,
-                loss_fn=testutil.mean_loss,
-                steps_per_loop=4,
-                checkpoint_dir=directory,
-                verbose=0,
+            trainer = _trainer(
+                (strategy, model, optimizer), 4, checkpoint_dir=directory
             )
             history = trainer.train(
                 _dataset_fn, epochs=epochs, steps_per_epoch=8
@@ -185,14 +170,7 @@ class TrainerTest(absltest.TestCase):
 
     def test_steps_not_a_multiple_of_the_loop(self):
         strategy, model, optimizer = _parts()
-        trainer = tf2sync.Trainer(
-            strategy=strategy,
-            model=model,
-            optimizer=optimizer,
-            loss_fn=testutil.mean_loss,
-            steps_per_loop=4,
-            verbose=0,
-        )
+        trainer = _trainer((strategy, model, optimizer), 4)
         with self.assertRaisesRegex(
             ValueError,
             r"`steps_per_epoch` must be a multiple of `steps_per_loop` \(4\)."

@@ -39,7 +39,6 @@ import threading
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.ops import resource_variable_ops
 
 from tf2sync._src import watchdog
@@ -58,25 +57,6 @@ class _SyncApplyScope:
 
     def __exit__(self, *exc):
         _STATE.apply_depth -= 1
-
-
-class _uncached_reads:  # noqa: N801 - used like a function
-    """Suspends TF's variable read cache (see `strategy._PackedReads`).
-
-    The critical section reads variables after it applied (moving averages,
-    the counters): those reads must see the ps's values, not the step's.
-    """
-
-    def __enter__(self):
-        local = distribute_utils.caching_scope_local
-        self._was = local.in_caching_scope()
-        if self._was:
-            local.cache_scope_exited_count += 1
-
-    def __exit__(self, *exc):
-        if self._was:
-            distribute_utils.caching_scope_local.cache_scope_exited_count -= 1
-        return False
 
 
 def sync_apply_scope():
@@ -271,7 +251,11 @@ class Aggregator:
     # Step side (traced) ---------------------------------------------------
 
     def acquire(self):
-        """Dequeues one token; returns (tag read after it, seconds waited)."""
+        """Dequeues one token; returns the tag (global step read after it).
+
+        The wait for the token is timed and added to `wait_seconds` on the
+        ps.
+        """
         # Timed and counted on the ps: no worker<->ps edge but the tag's.
         with tf.device(self.device):
             start = tf.timestamp()
@@ -282,13 +266,11 @@ class Aggregator:
                 waited = tf.timestamp() - start
             count = self.wait_seconds.assign_add(waited, read_value=False)
             with tf.control_dependencies([count]):
-                tag = tf.identity(tag)
-        return tag, None
+                return tf.identity(tag)
 
     def metrics_from(self, stats):
         """The sync metrics of the logs, from the counters a push returned."""
-        (packed,) = stats
-        values = tf.unstack(packed)
+        values = tf.unstack(stats)
         counts = [tf.cast(v, tf.int64) for v in values[:-1]]
         n = self.num_workers
         metrics = {
@@ -311,8 +293,7 @@ class Aggregator:
         self,
         tag,
         grads_and_vars,
-        finite=None,
-        waited=None,
+        check_finite=False,
         worker=None,
         stats=True,
     ):
@@ -327,11 +308,9 @@ class Aggregator:
         Args:
           tag: The step tag from `acquire`.
           grads_and_vars: This replica's `(gradient, variable)` pairs.
-          finite: Optional scalar bool tensor, or the string "check" to
-            compute it on the ps from what arrives (no extra tensor crosses
-            to the ps); False drops the push as non-finite (counted, its
-            token given back for another replica).
-          waited: Optional float64 seconds this step waited for its token.
+          check_finite: Whether the ps checks what arrived (no extra
+            tensor crosses to it): a non-finite push is dropped and counted,
+            its token given back for another replica.
           worker: Optional int64 index of the pushing worker, for the
             per-worker counts.
           stats: Whether to read the counters for the caller (`model.fit`'s
@@ -408,7 +387,8 @@ class Aggregator:
             step = self.global_step.read_value()
             fresh = tag >= step
             same_step = tf.equal(self.acc_step.read_value(), step)
-            if isinstance(finite, str):
+            ok = tf.constant(True)
+            if check_finite:
                 # A sum is non-finite iff a term is (or it overflows,
                 # which is worth dropping too).
                 sums = [
@@ -420,25 +400,15 @@ class Aggregator:
                     for _, v in arrived["sparse"]
                 ]
                 ok = tf.math.is_finite(tf.add_n(sums))
-            elif finite is None:
-                ok = tf.constant(True)
-            else:
-                ok = finite
             branch = tf.where(
                 fresh,
                 tf.where(ok, tf.where(same_step, 1, 3), 2),
                 0,
             )
-            ops = []
-            if waited is not None:
-                ops.append(
-                    self.wait_seconds.assign_add(waited, read_value=False)
-                )
-            with tf.control_dependencies(ops):
-                count = tf.switch_case(
-                    branch,
-                    [reject, accumulate, nonfinite, discard_then_accumulate],
-                )
+            count = tf.switch_case(
+                branch,
+                [reject, accumulate, nonfinite, discard_then_accumulate],
+            )
             applied = tf.cond(
                 count >= self.config.replicas_to_aggregate,
                 lambda: self._apply(count),
@@ -476,8 +446,7 @@ class Aggregator:
                 return applied, packed_stats
 
         with tf.device(self.device):
-            with _uncached_reads():
-                return self._cs.execute(body)
+            return self._cs.execute(body)
 
     def _drain_sparse(self, count):
         """Dequeues `count` pushes of each sparse variable: sum, unique."""

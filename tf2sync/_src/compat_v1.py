@@ -21,6 +21,7 @@ from absl import logging
 from tf2sync._src import aggregation
 from tf2sync._src import compat_v1_accumulators as accumulators
 from tf2sync._src import compat_v1_round as round_lib
+from tf2sync._src import strategy as strategy_lib
 
 _UIDS = itertools.count()
 
@@ -168,12 +169,13 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
         self._states = []
         self._lock = threading.Lock()
         self._strategy = tf.distribute.get_strategy()
-        # Local steps are per worker: have the strategy's coordinator pass
-        # each scheduled step its worker's index (read at schedule time).
-        self._strategy._tf2sync_worker_ids = True
-        after_run = self._strategy.__dict__.setdefault("_tf2sync_after_run", [])
-        if round_lib.check_open_round not in after_run:
-            after_run.append(round_lib.check_open_round)
+        if isinstance(self._strategy, strategy_lib.SyncParameterServerStrategy):
+            # Local steps are per worker: have the strategy's coordinator
+            # pass each scheduled step its worker's index.
+            self._strategy._tf2sync_worker_ids = True
+            after_run = self._strategy._tf2sync_after_run
+            if round_lib.check_open_round not in after_run:
+                after_run.append(round_lib.check_open_round)
 
     # Pass-throughs ---------------------------------------------------------
 

@@ -16,6 +16,7 @@ works and does the same when called first.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import threading
 import weakref
 
@@ -212,8 +213,8 @@ class Round:
         self.watchdog = None
         self._round_fn = None
         self._claimed_by = set()
-        callbacks = strategy.__dict__.setdefault("_tf2sync_before_dispatch", [])
-        callbacks.append(self.ensure_started)
+        if isinstance(strategy, strategy_lib.SyncParameterServerStrategy):
+            strategy._tf2sync_before_dispatch.append(self.ensure_started)
 
     def add_member(self, opt, global_step):
         if global_step is not None and self.global_step is None:
@@ -459,10 +460,9 @@ def _stop_started_rounds():
 
     def stop_all():
         for sync_round in rounds:
-            try:
+            # The cluster may be gone already: nothing left to unblock.
+            with contextlib.suppress(Exception):
                 sync_round.stop()
-            except Exception:  # noqa: BLE001 - the cluster may be gone
-                pass
 
     stopper = threading.Thread(target=stop_all, daemon=True)
     stopper.start()

@@ -316,7 +316,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         return context.merge_call(self._push, args=(step, grads_and_vars))
 
     def _push(self, strategy, step, grads_and_vars):
-        tag, waited, worker = step.tag, step.waited, step.worker
+        tag = step.tag
         grads_and_vars = [
             (_sum_local(strategy, g), v) for g, v in grads_and_vars
         ]
@@ -335,25 +335,14 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             ]
             with tf.control_dependencies(checks):
                 tag = tf.identity(tag)
-            applied, *stats = self._aggregator.push(
-                tag,
-                grads_and_vars,
-                waited=waited,
-                worker=worker,
-                stats=step.want_stats,
-            )
-            step.stats = tuple(stats)
-            return applied
-        # Checked on the ps, from what the push sends anyway.
-        applied, *stats = self._aggregator.push(
+        applied, step.stats = self._aggregator.push(
             tag,
             grads_and_vars,
-            finite="check",
-            waited=waited,
-            worker=worker,
+            # Otherwise checked on the ps, from what the push sends anyway.
+            check_finite=self._nonfinite != "raise",
+            worker=step.worker,
             stats=step.want_stats,
         )
-        step.stats = tuple(stats)
         return applied
 
     def _apply_aggregated(self, grads_and_vars):

@@ -27,13 +27,12 @@ _STEP = threading.local()
 class StepContext:
     """What one traced replica step knows: its tag, and whether it pushed."""
 
-    def __init__(self, tag, waited=None, worker=None):
+    def __init__(self, tag, worker=None, want_stats=True):
         self.tag = tag
-        self.waited = waited
         self.worker = worker
         self.pushed = False
+        self.want_stats = want_stats  # whether the push reads the counters
         self.stats = None  # set by the push: counters read on the ps
-        self.want_stats = True  # whether the push should read them
 
 
 def current_step():
@@ -88,8 +87,11 @@ class _PackedReads:
     values are those of the individual reads (all after the tag). A step
     that wrote a variable and read it again would see the first read,
     which tf2sync rules out for trainable variables, the only ones packed:
-    they only change in the ps's critical section. Variables read sparsely
-    (embedding lookups) are not cached and keep their own gathers.
+    they only change in the ps's critical section. The push (and with it
+    the apply and its moving averages) is traced by `merge_call` in the
+    caller's thread, outside this replica thread's cache: it reads the ps.
+    Variables read sparsely (embedding lookups) are not cached and keep
+    their own gathers.
     """
 
     def __init__(self, variables, tag):
@@ -182,8 +184,9 @@ class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
         return self._worker_ids
 
     def schedule(self, fn, args=None, kwargs=None):
-        wants_ids = self.strategy._aggregator is not None or getattr(
-            self.strategy, "_tf2sync_worker_ids", False
+        wants_ids = (
+            self.strategy._aggregator is not None
+            or self.strategy._tf2sync_worker_ids
         )
         if not wants_ids or not isinstance(
             fn, tf.types.experimental.GenericFunction
@@ -199,7 +202,7 @@ class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
             wrapped = tf.function(with_worker)
             self._wrapped[fn] = wrapped
         args = (self._ids(), *(args or ()))
-        before_dispatch = getattr(self.strategy, "_tf2sync_before_dispatch", ())
+        before_dispatch = self.strategy._tf2sync_before_dispatch
         if before_dispatch:
             # Trace now (as `schedule` would), so that what the trace built
             # (the TF1 shim's rounds) starts before any worker runs it.
@@ -347,6 +350,13 @@ class SyncParameterServerStrategy(
             )
         self._token_timeout = token_timeout
         self._watchdog = None
+        # Where the TF1 shim (compat_v1) hooks in: per-worker indices for
+        # its local steps, its rounds' starts (after the coordinator traced
+        # a scheduled function, before dispatching it), and its check after
+        # a traced `run`.
+        self._tf2sync_worker_ids = False
+        self._tf2sync_before_dispatch = []
+        self._tf2sync_after_run = []
         super().__init__(cluster_resolver)
         self._extended.__class__ = _SyncExtended
         self._extended._tf2sync_variables = weakref.WeakValueDictionary()
@@ -404,12 +414,12 @@ class SyncParameterServerStrategy(
 
             result = super().run(fn, args=args, kwargs=kwargs, options=options)
             if tf.inside_function():
-                for check in getattr(self, "_tf2sync_after_run", ()):
+                for check in self._tf2sync_after_run:
                     check()
             return result
-        tag, waited = aggregator.acquire()
-        step = StepContext(tag, waited, current_worker())
-        step.want_stats = _is_keras_train_step(fn)  # for fit's logs only
+        tag = aggregator.acquire()
+        # Only model.fit's train step puts the counters in its logs.
+        step = StepContext(tag, current_worker(), _is_keras_train_step(fn))
 
         variables = self._extended._tf2sync_variables
 
@@ -421,7 +431,7 @@ class SyncParameterServerStrategy(
         result = super().run(step_fn, args=args, kwargs=kwargs, options=options)
         if (
             step.pushed
-            and _is_keras_train_step(fn)
+            and step.want_stats
             and isinstance(result, dict)
             and step.stats is not None
         ):
