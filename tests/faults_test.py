@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -51,6 +52,34 @@ class TokenWatchdogTest(absltest.TestCase):
         self.assertEqual(int(opt.iterations.numpy()), 1)
         self.assertEqual(strategy._watchdog.released, 1)
         self.assertEqual(int(opt.gradients_accepted.numpy()), 2)
+
+    def test_stop_all_ends_every_watchdog_before_a_new_cluster(self):
+        # A poll through a previous cluster's handles would crash the
+        # process once it connects elsewhere: the strategy stops them all.
+        from tf2sync._src import watchdog
+
+        class Barrier:
+            polls = 0
+
+            def watch_state(self):
+                self.polls += 1
+                return watchdog.WatchState((self.polls,), 0, 1, 0, 1)
+
+            def seed_tokens(self, num):
+                del num
+
+        barrier = Barrier()
+        dog = watchdog.TokenWatchdog(barrier, 60.0, poll=0.01)
+        deadline = time.time() + 10
+        while barrier.polls == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        self.assertGreater(barrier.polls, 0)
+        watchdog.stop_all()
+        dog._thread.join(5)
+        self.assertFalse(dog._thread.is_alive())
+        polls = barrier.polls
+        time.sleep(0.1)
+        self.assertEqual(barrier.polls, polls)
 
     def test_bad_timeout(self):
         with self.assertRaisesRegex(

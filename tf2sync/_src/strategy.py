@@ -22,6 +22,7 @@ from tf2sync._src import config as config_lib
 from tf2sync._src import watchdog
 
 _STEP = threading.local()
+_CONNECTED = {}  # the cluster spec this process last connected to
 
 
 class StepContext:
@@ -357,6 +358,12 @@ class SyncParameterServerStrategy(
         self._tf2sync_worker_ids = False
         self._tf2sync_before_dispatch = []
         self._tf2sync_after_run = []
+        spec = cluster_resolver.cluster_spec().as_dict()
+        if _CONNECTED.get("spec") not in (None, spec):
+            # Another cluster: the watchdogs of strategies on the previous
+            # one would read through handles the connection invalidates.
+            watchdog.stop_all()
+        _CONNECTED["spec"] = spec
         super().__init__(cluster_resolver)
         self._extended.__class__ = _SyncExtended
         self._extended._tf2sync_variables = weakref.WeakValueDictionary()

@@ -23,6 +23,19 @@ from typing import NamedTuple
 import tensorflow as tf
 from absl import logging
 
+# Polls hold this lock; `stop_all` takes it, so that no poll is reading the
+# ps when the process connects to another cluster (a read through a handle
+# of the old cluster then crashes the process, not just the thread).
+_POLL_LOCK = threading.Lock()
+_LIVE = weakref.WeakSet()
+
+
+def stop_all() -> None:
+    """Stops every watchdog of this process, waiting out a poll under way."""
+    with _POLL_LOCK:
+        for dog in list(_LIVE):
+            dog.stop()
+
 
 class WatchState(NamedTuple):
     """What the watchdog reads on the ps, each poll."""
@@ -65,6 +78,7 @@ class TokenWatchdog:
         self._thread = threading.Thread(
             target=self._run, name="tf2sync-token-watchdog", daemon=True
         )
+        _LIVE.add(self)
         self._thread.start()
 
     def stop(self):
@@ -76,11 +90,14 @@ class TokenWatchdog:
             barrier = self._barrier()
             if barrier is None:
                 return
-            try:
-                with tf.init_scope():
-                    state = barrier.watch_state()
-            except Exception:  # The cluster is gone: nothing to watch.
-                return
+            with _POLL_LOCK:
+                if self._stop.is_set():
+                    return
+                try:
+                    with tf.init_scope():
+                        state = barrier.watch_state()
+                except Exception:  # The cluster is gone: nothing to watch.
+                    return
             if state.progress != last:
                 last, since = state.progress, time.monotonic()
                 continue
@@ -104,6 +121,9 @@ class TokenWatchdog:
                 else "a worker probably died holding a token.",
                 needed,
             )
-            barrier.seed_tokens(needed)
+            with _POLL_LOCK:
+                if self._stop.is_set():
+                    return
+                barrier.seed_tokens(needed)
             self.released += needed
             since = time.monotonic()
