@@ -265,6 +265,56 @@ class Tf1ShimFlagTest(absltest.TestCase):
             chief.sync_optimizer(fault_job, mixed, 2, 2)
 
 
+class JobModuleTest(absltest.TestCase):
+    """What a user of the `tf2sync` console script meets with --job_module."""
+
+    def _script(self, *args, cwd):
+        script = os.path.join(os.path.dirname(sys.executable), "tf2sync")
+        if not os.path.exists(script):
+            self.skipTest(f"no console script at {script}")
+        env = dict(_ENV)
+        env.pop("PYTHONPATH")  # only the working directory finds the job
+        return subprocess.run(
+            [script, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=cwd,
+            timeout=240,
+        )
+
+    def test_a_job_module_in_the_working_directory(self):
+        out = self._script(
+            "--job_module=fault_job",
+            "--epochs=1",
+            "--steps_per_epoch=2",
+            "--steps_per_execution=1",
+            cwd=procutil.TESTS_DIR,
+        )
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        self.assertIn("sync_steps_applied=", out.stdout)
+
+    def test_a_missing_job_module_is_a_usage_error(self):
+        out = self._script("--job_module=no_such_job", cwd=tempfile.mkdtemp())
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn(
+            "--job_module=no_such_job: no module named 'no_such_job' in the "
+            "working directory",
+            out.stderr,
+        )
+        self.assertNotIn("Traceback", out.stderr)
+        self.assertNotIn("local task pids", out.stdout)  # nothing started
+
+    def test_tf1_shim_with_variable_groups_fails_before_any_task(self):
+        out = _launch(["--sync_optimizer=tf1_shim"])  # digits has groups
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn(
+            "--sync_optimizer=tf1_shim trains one variable group", out.stderr
+        )
+        self.assertNotIn("Traceback", out.stderr)
+        self.assertNotIn("local task pids", out.stdout)
+
+
 class PublicAddressWarningTest(absltest.TestCase):
     """The check only reads the host list: nothing is contacted."""
 

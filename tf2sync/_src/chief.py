@@ -60,8 +60,22 @@ def sync_optimizer(job, config: ChiefConfig, rta: int, total: int):
     """
     import tf2sync
 
+    check_sync_optimizer(job, config)
     if config.sync_optimizer == "tf2sync":
         return tf2sync.SyncOptimizer(inner_optimizer(job, config))
+    return tf2sync.compat.v1.SyncReplicasOptimizer(
+        tf.compat.v1.train.MomentumOptimizer(
+            config.learning_rate, config.momentum
+        ),
+        replicas_to_aggregate=rta,
+        total_num_replicas=total,
+    )
+
+
+def check_sync_optimizer(job, config: ChiefConfig) -> None:
+    """Raises `ValueError` if `config.sync_optimizer` cannot train `job`."""
+    if config.sync_optimizer != "tf1_shim":
+        return
     if hasattr(job, "optimizer_groups"):
         raise ValueError(
             "--sync_optimizer=tf1_shim trains one variable group, but the "
@@ -73,13 +87,6 @@ def sync_optimizer(job, config: ChiefConfig, rta: int, total: int):
             "--sync_optimizer=tf1_shim supports float32 only. Received: "
             f"--mixed_precision={config.mixed_precision}"
         )
-    return tf2sync.compat.v1.SyncReplicasOptimizer(
-        tf.compat.v1.train.MomentumOptimizer(
-            config.learning_rate, config.momentum
-        ),
-        replicas_to_aggregate=rta,
-        total_num_replicas=total,
-    )
 
 
 def train(resolver, job, config: ChiefConfig):

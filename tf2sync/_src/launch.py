@@ -317,7 +317,7 @@ def _main():
     if job_name in ("ps", "worker"):
         _serve(_spec_from_flags(), job_name, _TASK_INDEX.value)
         return 0
-    job = importlib.import_module(_JOB_MODULE.value)
+    job = _load_job()
     if job_name == "chief":
         import tensorflow as tf
 
@@ -349,6 +349,33 @@ def _main():
     finally:
         cluster.stop()
     return 0
+
+
+def _load_job():
+    """Imports --job_module and checks the chief's flags can train it.
+
+    The working directory is searched too, as `python -m tf2sync` does (the
+    `tf2sync` console script alone would not). Runs before any task starts.
+    """
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    name = _JOB_MODULE.value
+    try:
+        job = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not name.startswith(e.name):
+            raise  # the job module itself imports something missing
+        raise app.UsageError(
+            f"--job_module={name}: no module named {e.name!r} in the working "
+            f"directory ({os.getcwd()}) or the installed packages."
+        ) from None
+    from tf2sync._src import chief
+
+    try:
+        chief.check_sync_optimizer(job, _chief_config())
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    return job
 
 
 def _evaluate(job):
