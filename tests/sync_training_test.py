@@ -254,6 +254,9 @@ class BackupWorkerTest(absltest.TestCase):
         # 3 workers, 2 aggregated: the replica delayed after reading its tag
         # pushes after the step was applied. Its gradient was computed from
         # the old weights: it must be dropped and counted, never applied.
+        # The two others also wait a little after their tags: a worker
+        # thread that picks up the slow step late (a loaded CI machine)
+        # would otherwise read the next tag and push a fresh gradient.
         rounds = 3
         strategy = testutil.strategy(
             3, replicas_to_aggregate=2, total_num_replicas=3
@@ -264,7 +267,7 @@ class BackupWorkerTest(absltest.TestCase):
         x, y = testutil.data("dense", 16)
         loop = testutil.Loop(strategy, model, opt, delay=True)
         for _ in range(rounds):
-            loop.round([(x, y)] * 3, delays=[0.0, 0.0, 1.5])
+            loop.round([(x, y)] * 3, delays=[0.4, 0.4, 2.0])
         # Any two fresh gradients are equal (same batch, same weights), so
         # the trajectory is `rounds` full-batch steps; an applied stale
         # gradient (from older weights) would move it off.
