@@ -100,5 +100,50 @@ class FitTest(parameterized.TestCase):
         self.assertEqual(int(optimizer.iterations.numpy()), 4)
 
 
+class InputTest(absltest.TestCase):
+    def test_cpu_workers_iterate_the_wrapped_dataset_in_order(self):
+        # What fit builds (a distributed dataset) and what Trainer builds
+        # (datasets from a function): on CPU workers each worker iterates
+        # the dataset itself (no multi-device iterator: a fifth of a small
+        # fit step), and still gets its own copy's batches in order.
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+        def make_dataset(context=None):
+            return tf.data.Dataset.range(40).batch(4).repeat()
+
+        @tf.function
+        def take(iterator):
+            return next(iterator)
+
+        inputs = {
+            "distribute_dataset": strategy.experimental_distribute_dataset(
+                make_dataset()
+            ),
+            "from_function": lambda: strategy.distribute_datasets_from_function(
+                make_dataset
+            ),
+        }
+        for name, source in inputs.items():
+            iterator = iter(coordinator.create_per_worker_dataset(source))
+            for remote in iterator._values:
+                self.assertIsInstance(remote._type_spec, tf.data.IteratorSpec)
+            got = [
+                coordinator.schedule(take, args=(iterator,)).fetch()
+                for _ in range(6)
+            ]
+            # Each worker's copy starts at the first batch: the batches
+            # fetched are two prefixes of the sequence, merged.
+            firsts = [int(batch[0]) // 4 for batch in got]
+            counts = [firsts.count(i) for i in range(6)]
+            self.assertEqual(sum(counts), 6, name)
+            self.assertEqual(counts, sorted(counts, reverse=True), name)
+            self.assertLessEqual(max(counts), 2, name)
+            for batch in got:
+                np.testing.assert_array_equal(
+                    batch, np.arange(batch[0], batch[0] + 4)
+                )
+
+
 if __name__ == "__main__":
     absltest.main()
