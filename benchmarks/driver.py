@@ -19,12 +19,21 @@ SYSTEMS = (
     "local",
     "tf2sync_fit",
     "tf2sync_loop",
+    "tf2sync_loop_unrolled",
     "pss_async",
+    "pss_async_unrolled",
     "pss_async_fit",
     "tf1_sync",
     "mwms",
 )
-PSS_SYSTEMS = ("tf2sync_fit", "tf2sync_loop", "pss_async", "pss_async_fit")
+PSS_SYSTEMS = (
+    "tf2sync_fit",
+    "tf2sync_loop",
+    "tf2sync_loop_unrolled",
+    "pss_async",
+    "pss_async_unrolled",
+    "pss_async_fit",
+)
 SCENARIOS = (
     "main",
     "straggler",

@@ -9,9 +9,12 @@ medians. The harness itself never imports TensorFlow.
 
 Systems (scenario `main`):
   local          one process, no distribution, global batch N x B.
-  tf2sync_loop   tf2sync custom loop on a ClusterCoordinator, K steps/fn.
+  tf2sync_loop   tf2sync custom loop on a ClusterCoordinator, K steps/fn
+                 in a tf.while_loop.
+  tf2sync_loop_unrolled  the same, the K steps unrolled in the function.
   tf2sync_fit    tf2sync through model.fit, steps_per_execution=K.
   pss_async      stock (asynchronous) PSS custom loop, K steps/fn.
+  pss_async_unrolled     the same, unrolled.
   pss_async_fit  stock PSS through model.fit (not in the default set).
   tf1_sync       TF1 SyncReplicasOptimizer, graph mode, one
                  MonitoredTrainingSession per worker thread.
@@ -59,7 +62,16 @@ _DOCS = os.path.join(os.path.dirname(_HERE), "docs")
 _WORKLOADS = flags.DEFINE_list("workloads", ["w1", "w2", "w3"], "Workloads.")
 _SYSTEMS = flags.DEFINE_list(
     "systems",
-    ["local", "tf2sync_fit", "tf2sync_loop", "pss_async", "tf1_sync", "mwms"],
+    [
+        "local",
+        "tf2sync_fit",
+        "tf2sync_loop",
+        "tf2sync_loop_unrolled",
+        "pss_async",
+        "pss_async_unrolled",
+        "tf1_sync",
+        "mwms",
+    ],
     f"Systems of the main scenario, of {', '.join(SYSTEMS)}.",
 )
 _SCENARIOS = flags.DEFINE_list(

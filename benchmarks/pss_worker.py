@@ -112,7 +112,13 @@ class _Server:
                 sync, options.get("rta"), options.get("total")
             )
             runner = systems.LoopRunner(
-                strategy, workload, k, self.kind, sync=sync, delay_s=delay_s
+                strategy,
+                workload,
+                k,
+                self.kind,
+                sync=sync,
+                delay_s=delay_s,
+                unroll=system.endswith("_unrolled"),
             )
             answer["delay_s"] = delay_s
         self.runners[key] = runner

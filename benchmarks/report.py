@@ -27,6 +27,9 @@ THROUGHPUT_TARGETS = (
     ("w2", "tf2sync_fit", "local", 0.95),
     ("w3", "tf2sync_loop", "tf1_sync", 1.0),
     ("w3", "tf2sync_fit", "tf1_sync", 1.0),
+    ("w1", "tf2sync_loop_unrolled", "tf1_sync", 1.5),
+    ("w2", "tf2sync_loop_unrolled", "local", 0.95),
+    ("w3", "tf2sync_loop_unrolled", "tf1_sync", 1.0),
 )
 STRAGGLER_KEEP = 0.9
 # ps state growth per added worker, as a share of the embedding's size: a

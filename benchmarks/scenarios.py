@@ -184,7 +184,11 @@ def scenario_memory(bench, workload="w3"):
     s = bench.s
     fewest, most = min(s.memory_workers), max(s.memory_workers)
     cells = [("tf2sync_loop", n, s.optimizer) for n in s.memory_workers]
-    cells += [("pss_async", n, s.optimizer) for n in sorted({fewest, most})]
+    cells += [
+        (system, n, s.optimizer)
+        for system in ("tf2sync_loop_unrolled", "pss_async")
+        for n in sorted({fewest, most})
+    ]
     cells.append(("pss_async", most, "keras"))
     for system, n, kind in cells:
         base = {

@@ -17,8 +17,13 @@ WORKLOAD_TEXT = {
 SYSTEM_TEXT = {
     "local": "one process, no distribution, global batch N x B",
     "tf2sync_fit": "tf2sync, `model.fit`, steps_per_execution=K",
-    "tf2sync_loop": "tf2sync, custom loop, K steps per scheduled function",
+    "tf2sync_loop": "tf2sync, custom loop, K steps per scheduled function "
+    "in a `tf.while_loop` (the default of `tf2sync.Trainer` and of `fit`)",
+    "tf2sync_loop_unrolled": "the same loop unrolled: the function repeats "
+    "the step K times (`tf2sync.Trainer(use_tf_while_loop=False)`)",
     "pss_async": "stock ParameterServerStrategy (async), custom loop",
+    "pss_async_unrolled": "stock ParameterServerStrategy (async), the "
+    "same loop unrolled",
     "pss_async_fit": "stock ParameterServerStrategy (async), `model.fit`",
     "tf1_sync": "TF1 `SyncReplicasOptimizer`, graph mode, one "
     "MonitoredTrainingSession per worker thread",

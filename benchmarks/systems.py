@@ -96,9 +96,13 @@ class LoopRunner:
       sync: Whether the strategy and optimizer are tf2sync's.
       delay_s: Seconds each step of worker 0 sleeps (0: none), after the
         step's token and before its gradients: a straggler.
+      unroll: Whether the function repeats the step k times in its graph
+        (a Python loop) instead of running it in a `tf.while_loop`.
     """
 
-    def __init__(self, strategy, workload, k, kind, *, sync, delay_s=0.0):
+    def __init__(
+        self, strategy, workload, k, kind, *, sync, delay_s=0.0, unroll=False
+    ):
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
             strategy
         )
@@ -134,7 +138,7 @@ class LoopRunner:
             if delay_s > 0:
                 index = _worker_index()
                 delay = tf.where(tf.equal(index, 0), delay_s, 0.0)
-            for _ in tf.range(k):
+            for _ in range(k) if unroll else tf.range(k):
                 strategy.run(replica, args=(next(iterator), delay))
 
         self.train = train

@@ -22,7 +22,9 @@ _SYSTEMS = (
     "local",
     "tf2sync_fit",
     "tf2sync_loop",
+    "tf2sync_loop_unrolled",
     "pss_async",
+    "pss_async_unrolled",
     "tf1_sync",
     "mwms",
 )

@@ -68,6 +68,12 @@ class _Hooked(tf2sync.Trainer):
         return dict(logs, hooked=1.0)
 
 
+def _loop_ops(trainer):
+    """Op types of the function `trainer` scheduled (after `train`)."""
+    (traced,) = trainer._loop._list_all_concrete_functions()
+    return {op.type for op in traced.graph.get_operations()}
+
+
 class TrainerTest(absltest.TestCase):
     def test_hooks_callbacks_and_sync_steps(self):
         strategy, model, optimizer = _parts()
@@ -167,6 +173,33 @@ class TrainerTest(absltest.TestCase):
             testutil.max_abs_diff(model.get_weights(), reference.get_weights()),
             1e-5,
         )
+
+    def test_unrolled_loop_trains_the_same_steps_without_a_while_loop(self):
+        parts = _parts()
+        rolled = _trainer(parts, 4)
+        rolled.train(_dataset_fn, epochs=2, steps_per_epoch=8)
+        expected = parts[1].get_weights()
+        parts = _parts()
+        unrolled = _trainer(parts, 4, use_tf_while_loop=False)
+        history = unrolled.train(_dataset_fn, epochs=2, steps_per_epoch=8)
+        self.assertEqual(history.history["sync_steps"], [4, 8])
+        self.assertLess(
+            testutil.max_abs_diff(parts[1].get_weights(), expected), 1e-6
+        )
+        # The unrolled function repeats the step in its graph; the default
+        # one loops.
+        self.assertIn("While", _loop_ops(rolled))
+        self.assertFalse(
+            _loop_ops(unrolled) & {"While", "StatelessWhile"},
+        )
+
+    def test_use_tf_while_loop_must_be_a_bool(self):
+        with self.assertRaisesRegex(
+            ValueError,
+            r"`use_tf_while_loop` must be True or False. Received: "
+            r"use_tf_while_loop='no'",
+        ):
+            _trainer(_parts(), 4, use_tf_while_loop="no")
 
     def test_steps_not_a_multiple_of_the_loop(self):
         strategy, model, optimizer = _parts()
