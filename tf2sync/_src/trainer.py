@@ -72,10 +72,10 @@ class Trainer:
             repeats the step `steps_per_loop` times in the traced graph:
             a loop whose body runs on the worker and on the ps sends the
             loop's control to the ps every iteration, and unrolled the w1
-            MLP measured ~1.4 x the steps per second
+            MLP measured 1.4-1.5 x the steps per second
             (`docs/performance.md`). The cost: tracing takes
             `steps_per_loop` times longer, and the ps holds that many
-            copies of its part of the step for each worker (~2.7 MB per
+            copies of its part of the step for each worker (~3 MB per
             copy per worker on the w3 embedding). Use it for small models.
           checkpoint_dir: Where to save and resume; None: no checkpoints.
           max_to_keep: Checkpoints kept.
