@@ -104,7 +104,7 @@ class InputTest(absltest.TestCase):
     def test_cpu_workers_iterate_the_wrapped_dataset_in_order(self):
         # What fit builds (a distributed dataset) and what Trainer builds
         # (datasets from a function): on CPU workers each worker iterates
-        # the dataset itself (no multi-device iterator: a fifth of a small
+        # the dataset itself (no multi-device iterator: 16% of a small
         # fit step), and still gets its own copy's batches in order.
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
