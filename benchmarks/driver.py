@@ -18,6 +18,7 @@ import procs
 SYSTEMS = (
     "local",
     "tf2sync_fit",
+    "tf2sync_fit_unrolled",
     "tf2sync_loop",
     "tf2sync_loop_unrolled",
     "pss_async",
@@ -28,6 +29,7 @@ SYSTEMS = (
 )
 PSS_SYSTEMS = (
     "tf2sync_fit",
+    "tf2sync_fit_unrolled",
     "tf2sync_loop",
     "tf2sync_loop_unrolled",
     "pss_async",

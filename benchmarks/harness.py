@@ -13,6 +13,7 @@ Systems (scenario `main`):
                  in a tf.while_loop.
   tf2sync_loop_unrolled  the same, the K steps unrolled in the function.
   tf2sync_fit    tf2sync through model.fit, steps_per_execution=K.
+  tf2sync_fit_unrolled   the same after tf2sync.unroll_fit_steps(model).
   pss_async      stock (asynchronous) PSS custom loop, K steps/fn.
   pss_async_unrolled     the same, unrolled.
   pss_async_fit  stock PSS through model.fit (not in the default set).
@@ -65,6 +66,7 @@ _SYSTEMS = flags.DEFINE_list(
     [
         "local",
         "tf2sync_fit",
+        "tf2sync_fit_unrolled",
         "tf2sync_loop",
         "tf2sync_loop_unrolled",
         "pss_async",

@@ -97,10 +97,15 @@ class _Server:
                 epochs=options["epochs"],
                 target=options["target"],
             )
-        elif system.endswith("_fit"):
+        elif "_fit" in system:
             strategy = self._strategy(sync)
             runner = systems.FitRunner(
-                strategy, workload, k, self.kind, sync=sync
+                strategy,
+                workload,
+                k,
+                self.kind,
+                sync=sync,
+                unroll=system.endswith("_unrolled"),
             )
         else:
             delay_s = 0.0

@@ -17,6 +17,8 @@ WORKLOAD_TEXT = {
 SYSTEM_TEXT = {
     "local": "one process, no distribution, global batch N x B",
     "tf2sync_fit": "tf2sync, `model.fit`, steps_per_execution=K",
+    "tf2sync_fit_unrolled": "the same after `tf2sync.unroll_fit_steps(model)`"
+    ": each function repeats the step K times",
     "tf2sync_loop": "tf2sync, custom loop, K steps per scheduled function "
     "in a `tf.while_loop` (the default of `tf2sync.Trainer` and of `fit`)",
     "tf2sync_loop_unrolled": "the same loop unrolled: the function repeats "

@@ -219,9 +219,12 @@ class _Timer(tf.keras.callbacks.Callback):
 
 
 class FitRunner:
-    """`model.fit` with `steps_per_execution=k`, stock or tf2sync."""
+    """`model.fit` with `steps_per_execution=k`, stock or tf2sync.
 
-    def __init__(self, strategy, workload, k, kind, *, sync):
+    With `unroll`, after `tf2sync.unroll_fit_steps(model)`.
+    """
+
+    def __init__(self, strategy, workload, k, kind, *, sync, unroll=False):
         self.batch = workloads.BATCH[workload]
         self.k = k
         self.sync = sync
@@ -234,6 +237,8 @@ class FitRunner:
                 loss=workloads.keras_loss(workload),
                 steps_per_execution=k,
             )
+        if unroll:
+            tf2sync.unroll_fit_steps(self.model)
         self.data = workloads.dataset(workload, self.batch)
         self.model.fit(
             self.data, epochs=1, steps_per_epoch=WARMUP_FUNCTIONS * k, verbose=0

@@ -26,8 +26,12 @@ class FitTest(parameterized.TestCase):
         ("spe1_odd_steps", 1, 41),
         ("spe10_odd_steps", 10, 41),
         ("spe5_even_steps", 5, 20),
+        # tf2sync.unroll_fit_steps; the last function of an epoch has 1 step.
+        ("spe10_odd_steps_unrolled", 10, 41, True),
     )
-    def test_fit_matches_full_batch_reference(self, spe, steps_per_epoch):
+    def test_fit_matches_full_batch_reference(
+        self, spe, steps_per_epoch, unroll=False
+    ):
         # Every worker sees the same full batch, so any 2 fresh gradients
         # average to the full-batch gradient: U updates must equal U
         # single-process full-batch steps, whatever the interleaving.
@@ -42,6 +46,8 @@ class FitTest(parameterized.TestCase):
                 loss=testutil.LOSS,
                 steps_per_execution=spe,
             )
+        if unroll:
+            tf2sync.unroll_fit_steps(model)
         x, y = testutil.data("dense", 32)
         ds = tf.data.Dataset.from_tensors((x, y)).repeat()
         history = model.fit(
@@ -60,6 +66,35 @@ class FitTest(parameterized.TestCase):
             1e-5,
         )
         self.assertLen(history.history["loss"], epochs)
+        # The sync counters reach the logs (as the last push read them).
+        self.assertGreater(history.history["sync_steps"][-1], 0)
+
+    def test_unrolled_fit_repeats_the_step_instead_of_looping(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = testutil.dense_model()
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.05)),
+                loss=testutil.LOSS,
+                steps_per_execution=5,
+            )
+        self.assertIs(tf2sync.unroll_fit_steps(model), model)
+        x, y = testutil.data("dense", 32)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
+        traces = model.train_tf_function._list_all_concrete_functions()
+        self.assertNotEmpty(traces)
+        for traced in traces:
+            ops = {op.type for op in traced.graph.get_operations()}
+            self.assertFalse(ops & {"While", "StatelessWhile"}, ops)
+        self.assertEqual(int(model._train_counter.numpy()), 10)
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 5)
+
+    def test_unroll_fit_steps_refuses_what_is_not_a_model(self):
+        with self.assertRaisesRegex(
+            TypeError, r"`model` must be a tf.keras.Model \(tf_keras\)"
+        ):
+            tf2sync.unroll_fit_steps("model")
 
     def test_validation_and_evaluate_leave_weights_and_tokens(self):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)

@@ -19,6 +19,7 @@ from tf2sync._src.multi_optimizer import MultiOptimizer  # noqa: E402
 from tf2sync._src.optimizer import SyncOptimizer  # noqa: E402
 from tf2sync._src.strategy import SyncParameterServerStrategy  # noqa: E402
 from tf2sync._src.trainer import Trainer  # noqa: E402
+from tf2sync._src.unrolled_fit import unroll_fit_steps  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -30,4 +31,5 @@ __all__ = [
     "SyncParameterServerStrategy",
     "Trainer",
     "testing",
+    "unroll_fit_steps",
 ]
