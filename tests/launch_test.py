@@ -77,10 +77,14 @@ class LaunchTest(parameterized.TestCase):
         )
         tasks = _Tasks(spec, env=env)
         try:
-            out = _launch(["--epochs=2", "--steps_per_epoch=20"], env=env)
+            out = _launch(
+                ["--epochs=2", "--steps_per_epoch=20", "--unroll_steps"],
+                env=env,
+            )
         finally:
             tasks.stop()
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        self.assertIn("10 per function (unrolled)", out.stdout)
         self._check_result(out, 2, 20)
 
     def test_unreachable_task_times_out_naming_it(self):

@@ -24,6 +24,7 @@ class ChiefConfig:
     epochs: int = 10
     steps_per_epoch: int | None = None
     steps_per_execution: int = 10
+    unroll_steps: bool = False
     learning_rate: float = 0.01
     momentum: float = 0.9
     mixed_precision: str = "float32"
@@ -157,13 +158,17 @@ def _train_once(resolver, job, config: ChiefConfig):
             metrics=list(job.METRICS),
             steps_per_execution=config.steps_per_execution,
         )
+    if config.unroll_steps:
+        tf2sync.unroll_fit_steps(model)
     steps = config.steps_per_epoch or max(
         1, job.num_train_examples() // (config.batch_size * num_workers)
     )
     print(
         f"tf2sync: {num_workers} workers, {len(spec['ps'])} ps, "
         f"replicas_to_aggregate={rta}, total_num_replicas={total}, "
-        f"{steps} steps/epoch, {config.mixed_precision}",
+        f"{steps} steps/epoch, {config.steps_per_execution} per function"
+        f"{' (unrolled)' if config.unroll_steps else ''}, "
+        f"{config.mixed_precision}",
         flush=True,
     )
     batch = config.batch_size

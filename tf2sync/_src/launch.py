@@ -74,6 +74,14 @@ _STEPS_PER_EPOCH = flags.DEFINE_integer(
 _STEPS_PER_EXECUTION = flags.DEFINE_integer(
     "steps_per_execution", 10, "Synchronous steps per scheduled function."
 )
+_UNROLL_STEPS = flags.DEFINE_boolean(
+    "unroll_steps",
+    False,
+    "Repeat the steps_per_execution steps in each scheduled function "
+    "instead of looping over them (tf2sync.unroll_fit_steps): faster for "
+    "small models; the ps keeps a copy of its part of the step per "
+    "repeated step and worker.",
+)
 _LEARNING_RATE = flags.DEFINE_float(
     "learning_rate",
     0.01,
@@ -278,6 +286,7 @@ def _chief_config():
         epochs=_EPOCHS.value,
         steps_per_epoch=_STEPS_PER_EPOCH.value,
         steps_per_execution=_STEPS_PER_EXECUTION.value,
+        unroll_steps=_UNROLL_STEPS.value,
         learning_rate=_LEARNING_RATE.value,
         momentum=_MOMENTUM.value,
         mixed_precision=_MIXED_PRECISION.value,
