@@ -33,7 +33,7 @@ B); asynchronous ones count every applied step. Writes JSON lines, a
 Markdown report (targets with PASS / MISS) and, when matplotlib imports, a
 PNG plot under --output_dir (default docs/).
 
-  python benchmarks/harness.py          # the full run: ~10-13 min, 2 cores
+  python benchmarks/harness.py          # the full run: ~8-13 min, 2 cores
   python benchmarks/harness.py --smoke --output_dir=/tmp/b   # ~15 s
   python benchmarks/harness.py --from_jsonl=docs/benchmarks.jsonl
 """
