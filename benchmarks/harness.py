@@ -54,6 +54,7 @@ import report
 import scenarios
 from absl import app
 from absl import flags
+from driver import DEFAULT_SYSTEMS
 from driver import SCENARIOS
 from driver import SYSTEMS
 
@@ -63,17 +64,7 @@ _DOCS = os.path.join(os.path.dirname(_HERE), "docs")
 _WORKLOADS = flags.DEFINE_list("workloads", ["w1", "w2", "w3"], "Workloads.")
 _SYSTEMS = flags.DEFINE_list(
     "systems",
-    [
-        "local",
-        "tf2sync_fit",
-        "tf2sync_fit_unrolled",
-        "tf2sync_loop",
-        "tf2sync_loop_unrolled",
-        "pss_async",
-        "pss_async_unrolled",
-        "tf1_sync",
-        "mwms",
-    ],
+    list(DEFAULT_SYSTEMS),
     f"Systems of the main scenario, of {', '.join(SYSTEMS)}.",
 )
 _SCENARIOS = flags.DEFINE_list(
