@@ -134,6 +134,40 @@ class FitTest(parameterized.TestCase):
         self.assertAlmostEqual(accuracy, float(np.mean(pred == y)), places=5)
         self.assertEqual(int(optimizer.iterations.numpy()), 4)
 
+    def test_exact_evaluation_reads_a_finite_dataset_once(self):
+        # compile(pss_evaluation_shards=...): tf_keras shards a finite
+        # dataset and visits each element once. The "must repeat" guard
+        # lets it through, and the result is the exact full-data metrics.
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = testutil.dense_model()
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.05)),
+                loss=testutil.LOSS,
+                metrics=["accuracy"],
+                pss_evaluation_shards=4,
+            )
+        x, y = testutil.data("dense", 32)
+        train = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(train, epochs=1, steps_per_epoch=4, verbose=0)
+        # 29 rows: the last batch is partial, and each row counts once.
+        finite = tf.data.Dataset.from_tensor_slices((x[:29], y[:29])).batch(8)
+        loss, accuracy = model.evaluate(finite, verbose=0)
+        local = testutil.dense_model(seed=1)
+        local.set_weights(model.get_weights())
+        logits = local(x[:29])
+        self.assertAlmostEqual(
+            float(loss), float(testutil.mean_loss(y[:29], logits)), places=5
+        )
+        self.assertAlmostEqual(
+            float(accuracy),
+            float(np.mean(np.argmax(logits.numpy(), axis=1) == y[:29])),
+            places=5,
+        )
+        # Training still refuses a finite dataset.
+        with self.assertRaisesRegex(ValueError, "The dataset must repeat"):
+            model.fit(finite, epochs=1, steps_per_epoch=2, verbose=0)
+
 
 class InputTest(absltest.TestCase):
     def test_cpu_workers_iterate_the_wrapped_dataset_in_order(self):

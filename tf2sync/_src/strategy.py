@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -240,6 +241,23 @@ class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
         return super().schedule(wrapped, args=args, kwargs=kwargs)
 
 
+def _for_exact_evaluation() -> bool:
+    """Whether tf_keras's exact evaluation is distributing a dataset.
+
+    `model.evaluate` after `compile(pss_evaluation_shards=...)` gives its
+    finite dataset through `_ClusterCoordinatorExactEvalDataHandler`. (If
+    tf_keras renamed it, finite datasets would be refused there as
+    elsewhere: the safe side.)
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = type(frame.f_locals.get("self")).__name__
+        if owner == "_ClusterCoordinatorExactEvalDataHandler":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _single_pipeline(dataset_or_fn):
     """The dataset a PSS distributed dataset wraps (see the coordinator)."""
     if isinstance(dataset_or_fn, input_lib.DistributedDataset):
@@ -293,9 +311,11 @@ class _SyncExtended(
 
     def _experimental_distribute_dataset(self, dataset, options):
         # Each worker iterates its own copy; a copy that runs out cancels
-        # every in-flight step with an opaque CancelledError. Refuse first.
+        # every in-flight step with an opaque CancelledError. Refuse first,
+        # except for tf_keras's exact evaluation, which shards a finite
+        # dataset into functions that each read one shard to its end.
         cardinality = int(dataset.cardinality())
-        if cardinality >= 0:
+        if cardinality >= 0 and not _for_exact_evaluation():
             raise ValueError(
                 "The dataset must repeat: under ParameterServerStrategy each "
                 "worker iterates its own copy, and training stops with an "
