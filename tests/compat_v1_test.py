@@ -19,6 +19,7 @@ import tensorflow as tf
 import testutil
 from absl.testing import absltest
 
+import tf2sync
 from tf2sync._src import strategy as strategy_lib
 from tf2sync.compat import v1 as compat_v1
 
@@ -737,7 +738,7 @@ class FitTest(absltest.TestCase):
 
     LR, MOMENTUM = 0.1, 0.9
 
-    def _fit(self, rta, total, epochs, steps, spe):
+    def _fit(self, rta, total, epochs, steps, spe, unroll=False):
         strategy = testutil.strategy(
             NUM_WORKERS,
             NUM_PS,
@@ -758,6 +759,8 @@ class FitTest(absltest.TestCase):
             model.compile(
                 optimizer=opt, loss=testutil.LOSS, steps_per_execution=spe
             )
+        if unroll:
+            tf2sync.unroll_fit_steps(model)
         history = model.fit(
             dataset, epochs=epochs, steps_per_epoch=steps, verbose=0
         )
@@ -777,9 +780,9 @@ class FitTest(absltest.TestCase):
             opt.apply_gradients(zip(grads, model.trainable_variables))
         return model.get_weights()
 
-    def _check(self, rta, total, epochs=2, steps=12, spe=1):
+    def _check(self, rta, total, epochs=2, steps=12, spe=1, unroll=False):
         model, initial, opt, rounds, history = self._fit(
-            rta, total, epochs, steps, spe
+            rta, total, epochs, steps, spe, unroll
         )
         iterations = int(model.optimizer.iterations.numpy())
         # The model's step counter is TF1's global_step: +1 per round.
@@ -800,6 +803,12 @@ class FitTest(absltest.TestCase):
 
     def test_fit_with_a_backup_worker_and_steps_per_execution(self):
         self._check(rta=2, total=3, steps=10, spe=5)
+
+    def test_unrolled_fit_keeps_tf1_order(self):
+        # tf2sync.unroll_fit_steps: 5 shim steps in one graph. Each step's
+        # reads follow the previous step's token, as in TF1's session runs;
+        # without that, weights read early land off the TF1 trajectory.
+        self._check(rta=2, total=3, steps=10, spe=5, unroll=True)
 
 
 class ExampleTest(absltest.TestCase):

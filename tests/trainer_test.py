@@ -5,6 +5,7 @@ import tempfile
 import tensorflow as tf
 import testutil
 from absl.testing import absltest
+from absl.testing import parameterized
 
 import tf2sync
 
@@ -74,7 +75,7 @@ def _loop_ops(trainer):
     return {op.type for op in traced.graph.get_operations()}
 
 
-class TrainerTest(absltest.TestCase):
+class TrainerTest(parameterized.TestCase):
     def test_hooks_callbacks_and_sync_steps(self):
         strategy, model, optimizer = _parts()
         recorder = _Recorder()
@@ -129,7 +130,15 @@ class TrainerTest(absltest.TestCase):
             1e-6,
         )
 
-    def test_tf1_shim_trains_and_resumes_on_the_exact_trajectory(self):
+    @parameterized.named_parameters(
+        ("while_loop", True),
+        # Each repeated step is a shim step of its own (its own local-step
+        # read and token), as each loop iteration is.
+        ("unrolled", False),
+    )
+    def test_tf1_shim_trains_and_resumes_on_the_exact_trajectory(
+        self, use_tf_while_loop
+    ):
         # Both workers see the same full batch: every accepted gradient is
         # the full-batch gradient at the current weights, so U rounds give
         # U single-process steps of TF1's momentum, across a resume too.
@@ -148,7 +157,10 @@ class TrainerTest(absltest.TestCase):
         for seed, epochs in ((0, 1), (7, 3)):  # the second run resumes
             strategy, model, optimizer = parts(seed)
             trainer = _trainer(
-                (strategy, model, optimizer), 4, checkpoint_dir=directory
+                (strategy, model, optimizer),
+                4,
+                checkpoint_dir=directory,
+                use_tf_while_loop=use_tf_while_loop,
             )
             history = trainer.train(
                 _dataset_fn, epochs=epochs, steps_per_epoch=8

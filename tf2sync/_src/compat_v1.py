@@ -176,6 +176,9 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
             after_run = self._strategy._tf2sync_after_run
             if round_lib.check_open_round not in after_run:
                 after_run.append(round_lib.check_open_round)
+            before_run = self._strategy._tf2sync_before_run
+            if round_lib.previous_token not in before_run:
+                before_run.append(round_lib.previous_token)
 
     # Pass-throughs ---------------------------------------------------------
 

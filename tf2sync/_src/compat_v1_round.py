@@ -34,6 +34,7 @@ TOKEN_DTYPE = tf.int64
 # Per traced graph: the `Round` started there, and each round's step context.
 _OPEN_ROUNDS = weakref.WeakKeyDictionary()
 _STEP_CONTEXTS = weakref.WeakKeyDictionary()
+_LAST_TOKENS = weakref.WeakKeyDictionary()  # graph -> its last step's token
 _STARTED = weakref.WeakSet()  # rounds whose thread stops at exit
 _GLOBAL_STEP_REQUIRED = "Global step is required to check staleness"
 _AUTO = "started by the coordinator"
@@ -428,6 +429,8 @@ class Round:
         )
         with tf.control_dependencies([update]):
             ctx.result = tf.identity(ctx.dequeue)
+        if not tf.executing_eagerly():
+            _LAST_TOKENS[tf.compat.v1.get_default_graph()] = ctx.result
         return ctx.result
 
 
@@ -443,11 +446,35 @@ def set_open_round(sync_round):
         _OPEN_ROUNDS[tf.compat.v1.get_default_graph()] = sync_round
 
 
+def previous_token():
+    """`[token]` of the step traced before this one in the same function.
+
+    Steps repeated in one function's graph (instead of a loop) have no order
+    but their data's: the next step would read the weights while this one
+    still waits for its token. TF1 runs one step per `session.run`, so the
+    strategy makes each step's ops follow the previous step's token.
+    """
+    if tf.executing_eagerly():
+        return []
+    token = _LAST_TOKENS.get(tf.compat.v1.get_default_graph())
+    return [] if token is None else [token]
+
+
 def check_open_round():
-    """After a traced `strategy.run`: its round must have a global step."""
+    """After a traced `strategy.run`: checks and closes its step.
+
+    Its round must have a global step. Then the graph's open round and step
+    contexts are dropped, so that a further `strategy.run` in the same
+    function (steps repeated in the graph instead of looped) is a step of
+    its own: its own local-step read, pushes and token.
+    """
     sync_round = open_round()
     if sync_round is not None:
         sync_round.check()
+    if not tf.executing_eagerly():
+        graph = tf.compat.v1.get_default_graph()
+        _OPEN_ROUNDS.pop(graph, None)
+        _STEP_CONTEXTS.pop(graph, None)
 
 
 @atexit.register

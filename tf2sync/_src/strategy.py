@@ -420,10 +420,12 @@ class SyncParameterServerStrategy(
         self._watchdog = None
         # Where the TF1 shim (compat_v1) hooks in: per-worker indices for
         # its local steps, its rounds' starts (after the coordinator traced
-        # a scheduled function, before dispatching it), and its check after
-        # a traced `run`.
+        # a scheduled function, before dispatching it), what a traced `run`
+        # must follow (the token of the step before it in the same
+        # function), and its check after a traced `run`.
         self._tf2sync_worker_ids = False
         self._tf2sync_before_dispatch = []
+        self._tf2sync_before_run = []
         self._tf2sync_after_run = []
         spec = cluster_resolver.cluster_spec().as_dict()
         if _CONNECTED.get("spec") not in (None, spec):
@@ -479,11 +481,16 @@ class SyncParameterServerStrategy(
         aggregator = self._aggregator
         if aggregator is None or not tf.inside_function():
             worker = current_worker()
-            if worker is not None:  # carry it into the replica thread
+            after = []  # what this step must follow (the TF1 shim's token)
+            if tf.inside_function():
+                after = [t for hook in self._tf2sync_before_run for t in hook()]
+            if worker is not None or after:
                 inner = fn
 
                 def fn(*a, **k):
-                    with _WorkerScope(worker):
+                    # Carries the worker into the replica thread; orders
+                    # every op of the step after `after`.
+                    with _WorkerScope(worker), tf.control_dependencies(after):
                         return inner(*a, **k)
 
             result = super().run(fn, args=args, kwargs=kwargs, options=options)
