@@ -20,6 +20,19 @@ def _reference(x, y, steps, opt_fn, seed=0):
     return model
 
 
+def _compiled(**compile_kwargs):
+    """A dense model compiled with SyncOptimizer(SGD(0.05)), 2 of 2."""
+    strategy = testutil.strategy(2, replicas_to_aggregate=2)
+    with strategy.scope():
+        model = testutil.dense_model()
+        model.compile(
+            optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.05)),
+            loss=testutil.LOSS,
+            **compile_kwargs,
+        )
+    return model
+
+
 class FitTest(parameterized.TestCase):
     @parameterized.named_parameters(
         # 41 steps per epoch: not a multiple of the 2 workers.
@@ -70,14 +83,7 @@ class FitTest(parameterized.TestCase):
         self.assertGreater(history.history["sync_steps"][-1], 0)
 
     def test_unrolled_fit_repeats_the_step_instead_of_looping(self):
-        strategy = testutil.strategy(2, replicas_to_aggregate=2)
-        with strategy.scope():
-            model = testutil.dense_model()
-            model.compile(
-                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.05)),
-                loss=testutil.LOSS,
-                steps_per_execution=5,
-            )
+        model = _compiled(steps_per_execution=5)
         self.assertIs(tf2sync.unroll_fit_steps(model), model)
         x, y = testutil.data("dense", 32)
         ds = tf.data.Dataset.from_tensors((x, y)).repeat()
@@ -97,15 +103,8 @@ class FitTest(parameterized.TestCase):
             tf2sync.unroll_fit_steps("model")
 
     def test_validation_and_evaluate_leave_weights_and_tokens(self):
-        strategy = testutil.strategy(2, replicas_to_aggregate=2)
-        with strategy.scope():
-            model = testutil.dense_model()
-            optimizer = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.05))
-            model.compile(
-                optimizer=optimizer,
-                loss=testutil.LOSS,
-                metrics=["accuracy"],
-            )
+        model = _compiled(metrics=["accuracy"])
+        optimizer = model.optimizer
         x, y = testutil.data("dense", 32)
         ds = tf.data.Dataset.from_tensors((x, y)).repeat()
         val = tf.data.Dataset.from_tensors((x, y)).repeat()
@@ -138,15 +137,7 @@ class FitTest(parameterized.TestCase):
         # compile(pss_evaluation_shards=...): tf_keras shards a finite
         # dataset and visits each element once. The "must repeat" guard
         # lets it through, and the result is the exact full-data metrics.
-        strategy = testutil.strategy(2, replicas_to_aggregate=2)
-        with strategy.scope():
-            model = testutil.dense_model()
-            model.compile(
-                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.05)),
-                loss=testutil.LOSS,
-                metrics=["accuracy"],
-                pss_evaluation_shards=4,
-            )
+        model = _compiled(metrics=["accuracy"], pss_evaluation_shards=4)
         x, y = testutil.data("dense", 32)
         train = tf.data.Dataset.from_tensors((x, y)).repeat()
         model.fit(train, epochs=1, steps_per_epoch=4, verbose=0)

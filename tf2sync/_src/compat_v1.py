@@ -174,8 +174,8 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
             # pass each scheduled step its worker's index.
             self._strategy._tf2sync_worker_ids = True
             after_run = self._strategy._tf2sync_after_run
-            if round_lib.check_open_round not in after_run:
-                after_run.append(round_lib.check_open_round)
+            if round_lib.end_traced_step not in after_run:
+                after_run.append(round_lib.end_traced_step)
             before_run = self._strategy._tf2sync_before_run
             if round_lib.previous_token not in before_run:
                 before_run.append(round_lib.previous_token)

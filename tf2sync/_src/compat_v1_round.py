@@ -460,7 +460,7 @@ def previous_token():
     return [] if token is None else [token]
 
 
-def check_open_round():
+def end_traced_step():
     """After a traced `strategy.run`: checks and closes its step.
 
     Its round must have a global step. Then the graph's open round and step
