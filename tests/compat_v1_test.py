@@ -563,6 +563,22 @@ class SyncReplicasTest(absltest.TestCase):
         ):
             opt.apply_gradients([(tf.constant(1.0), tf.Variable(1.0))])
 
+    def test_bad_constructor_arguments_are_named(self):
+        # TF1 accepted these and failed later, far from the cause.
+        sgd = tf.compat.v1.train.GradientDescentOptimizer(1.0)
+        for args, error, message in [
+            ((sgd, 0), ValueError, r"Received: replicas_to_aggregate=0$"),
+            ((sgd, "2"), TypeError, r"Received: replicas_to_aggregate='2'"),
+            ((sgd, 2, -1), ValueError, r"Received: total_num_replicas=-1$"),
+            (("sgd", 2), TypeError, r"`opt` must be .* Received: opt='sgd'"),
+        ]:
+            with self.assertRaisesRegex(error, message):
+                compat_v1.SyncReplicasOptimizer(*args)
+        keras = compat_v1.SyncReplicasOptimizer(
+            tf.keras.optimizers.SGD(0.1), 3, 2
+        )
+        self.assertEqual(keras._tokens_per_step, 3)  # max(total, rta)
+
     def test_too_few_tokens_and_unknown_grad(self):
         h = self.harness = _Harness(rta=3, total=1, num_tokens=1)
         h.trace()

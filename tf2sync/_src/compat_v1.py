@@ -21,6 +21,8 @@ from absl import logging
 from tf2sync._src import aggregation
 from tf2sync._src import compat_v1_accumulators as accumulators
 from tf2sync._src import compat_v1_round as round_lib
+from tf2sync._src import config as config_lib
+from tf2sync._src import keras_compat
 from tf2sync._src import strategy as strategy_lib
 
 _UIDS = itertools.count()
@@ -45,6 +47,9 @@ class _State:
             else:
                 raise ValueError("Unknown grad type!")
             self.accumulators.append(acc)
+
+
+_KERAS = (keras_compat._NEW, keras_compat._LEGACY)
 
 
 class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
@@ -146,18 +151,29 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
           variables_to_average: Passed to `variable_averages.apply`.
           use_locking: Kept for compatibility (TF1 uses it for nothing).
           name: Name prefix of the created resources.
+
+        Raises:
+          TypeError: If `opt` is neither kind of optimizer, or a count is
+            not an int.
+          ValueError: If a count is not positive.
         """
-        if total_num_replicas is None:
-            total_num_replicas = replicas_to_aggregate
+        if not isinstance(opt, (tf.compat.v1.train.Optimizer, *_KERAS)):
+            raise TypeError(
+                "`opt` must be a tf.compat.v1.train.Optimizer or a tf_keras "
+                f"optimizer. Received: opt={opt!r}"
+            )
+        config = config_lib.SyncConfig.create(
+            replicas_to_aggregate, total_num_replicas
+        )
         logging.info(
             "SyncReplicasV2: replicas_to_aggregate=%s; total_num_replicas=%s",
-            replicas_to_aggregate,
-            total_num_replicas,
+            config.replicas_to_aggregate,
+            config.total_num_replicas,
         )
         self._opt = opt
-        self._replicas_to_aggregate = replicas_to_aggregate
-        self._total_num_replicas = total_num_replicas
-        self._tokens_per_step = max(total_num_replicas, replicas_to_aggregate)
+        self._replicas_to_aggregate = config.replicas_to_aggregate
+        self._total_num_replicas = config.total_num_replicas
+        self._tokens_per_step = config.tokens_per_step
         self._variable_averages = variable_averages
         self._variables_to_average = variables_to_average
         super().__init__(use_locking, name)
