@@ -820,6 +820,12 @@ class FitTest(absltest.TestCase):
     def test_fit_with_a_backup_worker_and_steps_per_execution(self):
         self._check(rta=2, total=3, steps=10, spe=5)
 
+    def test_one_function_per_epoch_starts_the_round(self):
+        # steps_per_epoch == steps_per_execution: the epoch's only function
+        # is the one whose trace creates the round, and it must not wait
+        # for a token nobody enqueues.
+        self._check(rta=2, total=3, steps=5, spe=5)
+
     def test_unrolled_fit_keeps_tf1_order(self):
         # tf2sync.unroll_fit_steps: 5 shim steps in one graph. Each step's
         # reads follow the previous step's token, as in TF1's session runs;

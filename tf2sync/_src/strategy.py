@@ -229,14 +229,14 @@ class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
             wrapped = tf.function(with_worker)
             self._wrapped[fn] = wrapped
         args = (self._ids(), *(args or ()))
-        before_dispatch = self.strategy._tf2sync_before_dispatch
-        if before_dispatch:
+        if self.strategy._tf2sync_worker_ids:  # a TF1 shim exists
             # Trace now (as `schedule` would), so that what the trace built
-            # (the TF1 shim's rounds) starts before any worker runs it.
+            # (the shim's round, even on the very first schedule) starts
+            # before any worker runs it.
             wrapped.get_concrete_function(
                 *_as_specs(args), **_as_specs(kwargs or {})
             )
-            for callback in list(before_dispatch):
+            for callback in list(self.strategy._tf2sync_before_dispatch):
                 callback()
         return super().schedule(wrapped, args=args, kwargs=kwargs)
 
