@@ -184,7 +184,7 @@ class WireTest(absltest.TestCase):
         )
         self.assertEqual(wire.tensor.dtype, tf.float32)
         self.assertEqual(wire.tensor.shape.rank, 1)
-        arrived = wire.unpack()
+        arrived = wire.unpack(**wire.inputs())
         self.assertEqual(int(arrived["worker"]), 1)
         np.testing.assert_array_equal(arrived["packed"][0], packed[0])
         got_ids, got_rows = arrived["sparse"][0]

@@ -17,8 +17,8 @@ def _dataset_fn(input_context):
     return tf.data.Dataset.from_tensors((_X, _Y)).repeat()
 
 
-def _parts(seed=0):
-    strategy = testutil.strategy(2, replicas_to_aggregate=2)
+def _parts(seed=0, num_ps=1):
+    strategy = testutil.strategy(2, num_ps, replicas_to_aggregate=2)
     with strategy.scope():
         model = testutil.dense_model(seed)
         optimizer = tf2sync.SyncOptimizer(
@@ -73,6 +73,22 @@ def _loop_ops(trainer):
     """Op types of the function `trainer` scheduled (after `train`)."""
     (traced,) = trainer._loop._list_all_concrete_functions()
     return {op.type for op in traced.graph.get_operations()}
+
+
+def _push_calls(trainer, optimizer):
+    """How many times the function `trainer` scheduled calls the push."""
+    functions = [
+        concrete.name
+        for function in optimizer._aggregator._push_functions.values()
+        if function is not None
+        for concrete in function._list_all_concrete_functions()
+    ]
+    (traced,) = trainer._loop._list_all_concrete_functions()
+    return sum(
+        op.get_attr("f").name.encode() in functions
+        for op in traced.graph.get_operations()
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall")
+    )
 
 
 class TrainerTest(parameterized.TestCase):
@@ -191,9 +207,15 @@ class TrainerTest(parameterized.TestCase):
         rolled = _trainer(parts, 4)
         rolled.train(_dataset_fn, epochs=2, steps_per_epoch=8)
         expected = parts[1].get_weights()
+        rolled_optimizer = parts[2]
         parts = _parts()
         unrolled = _trainer(parts, 4, use_tf_while_loop=False)
         history = unrolled.train(_dataset_fn, epochs=2, steps_per_epoch=8)
+        # Repeated pushes call one ps function (the ps holds one copy per
+        # worker, not one per step); the first push and a loop's stay
+        # inline.
+        self.assertEqual(_push_calls(unrolled, parts[2]), 3)
+        self.assertEqual(_push_calls(rolled, rolled_optimizer), 0)
         self.assertEqual(history.history["sync_steps"], [4, 8])
         self.assertLess(
             testutil.max_abs_diff(parts[1].get_weights(), expected), 1e-6
@@ -203,6 +225,26 @@ class TrainerTest(parameterized.TestCase):
         self.assertIn("While", _loop_ops(rolled))
         self.assertFalse(
             _loop_ops(unrolled) & {"While", "StatelessWhile"},
+        )
+
+    def test_unrolled_push_stays_inline_across_parameter_servers(self):
+        # With 2 ps, the dense accumulators sit on both: a ps function for
+        # the push would be a multi-device call, so every push is inlined.
+        parts = _parts(num_ps=2)
+        rolled = _trainer(parts, 4)
+        rolled.train(_dataset_fn, epochs=1, steps_per_epoch=8)
+        expected = parts[1].get_weights()
+        parts = _parts(num_ps=2)
+        devices = {v.device for v in parts[1].trainable_variables}
+        self.assertLen({d.split("/device")[0] for d in devices}, 2, devices)
+        unrolled = _trainer(parts, 4, use_tf_while_loop=False)
+        unrolled.train(_dataset_fn, epochs=1, steps_per_epoch=8)
+        self.assertEqual(
+            list(parts[2]._aggregator._push_functions.values()), [None]
+        )
+        self.assertEqual(_push_calls(unrolled, parts[2]), 0)
+        self.assertLess(
+            testutil.max_abs_diff(parts[1].get_weights(), expected), 1e-6
         )
 
     def test_use_tf_while_loop_must_be_a_bool(self):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -168,6 +169,8 @@ class Aggregator:
         self._apply_fn = apply_fn
         self._name = name
         self._layout = None
+        self._push_functions = {}
+        self._graphs_with_push = weakref.WeakSet()
         with tf.init_scope(), tf.device(self.device):
             self._tokens = tf.queue.FIFOQueue(
                 capacity=-1, dtypes=[tf.int64], shapes=[[]], name=name + "_q"
@@ -331,11 +334,67 @@ class Aggregator:
         ]
         sparse = [_dedup(by_key[_key(s.variable)]) for s in layout.sparse]
         wire = _Wire(self.device, layout, packed, sparse, worker)
-        arrived = {"packed": packed, "sparse": sparse, "worker": worker}
+        inputs = {"tag": tag, **wire.inputs()}
+        function = self._repeated_push_function(
+            wire, inputs, check_finite, stats
+        )
+        with tf.device(self.device):
+            if function is not None:
+                return self._cs.execute(lambda: function(inputs))
+            return self._cs.execute(
+                lambda: self._push_body(wire, inputs, check_finite, stats)
+            )
 
-        def unpack():
-            # On the ps, inside the critical section.
-            arrived.update(wire.unpack())
+    def _repeated_push_function(self, wire, inputs, check_finite, stats):
+        """The push as one function of the ps, where the step repeats.
+
+        A function that repeats the step (an unrolled loop) would otherwise
+        hold a copy of the push and its apply per step, and the ps
+        instantiates each copy for every worker: ~2 MB each on W3. From the
+        second push traced into one graph on, the push is one function
+        called, not inlined, so the ps holds it once per worker. The first
+        push stays inline (a call costs a little per step), and so does a
+        push whose accumulators or hooks live on another device (the call
+        would be a multi-device function of its own). Returns None where
+        the push is inlined.
+        """
+        graph = tf.compat.v1.get_default_graph()
+        if graph not in self._graphs_with_push:
+            self._graphs_with_push.add(graph)
+            return None
+        key = (
+            check_finite,
+            stats,
+            wire.tensor is None,
+            wire.has_worker,
+        )
+        if key not in self._push_functions:
+            function = tf.function(
+                lambda args: self._push_body(wire, args, check_finite, stats),
+                autograph=False,
+                experimental_attributes={"_noinline": True},
+            )
+            with tf.device(self.device):
+                concrete = function.get_concrete_function(inputs)
+            here = tf.DeviceSpec.from_string(self.device)
+            local = all(
+                tf.DeviceSpec.from_string(t.device) == here
+                for t in concrete.captured_inputs
+                if getattr(t, "device", "")
+            )
+            self._push_functions[key] = function if local else None
+        return self._push_functions[key]
+
+    def _push_body(self, wire, inputs, check_finite, stats):
+        """The push on the ps, inside the critical section (see `push`)."""
+        layout = self._layout
+        tag = inputs["tag"]
+        arrived = wire.unpack(
+            inputs["tensor"],
+            inputs["packed"],
+            inputs["sparse"],
+            inputs["worker"],
+        )
 
         def accumulate():
             adds = [
@@ -382,8 +441,7 @@ class Aggregator:
             # count, -1 for a dropped push), then one cond applies: no
             # nested conds (each level costs a measurable share of a small
             # model's step), and the apply appears once in the graph (each
-            # copy costs the ps ~3 MB per worker that runs the step).
-            unpack()
+            # inlined copy costs the ps ~2 MB per worker on W3).
             step = self.global_step.read_value()
             fresh = tag >= step
             same_step = tf.equal(self.acc_step.read_value(), step)
@@ -445,8 +503,7 @@ class Aggregator:
                 )
                 return applied, packed_stats
 
-        with tf.device(self.device):
-            return self._cs.execute(body)
+        return body()
 
     def _drain_sparse(self, count):
         """Dequeues `count` pushes of each sparse variable: sum, unique."""
@@ -608,6 +665,7 @@ class _Wire:
         self._packed = packed
         self._sparse_in = sparse
         self._worker = worker
+        self.has_worker = worker is not None
         self.tensor = None
         if not (self._dense or self._sparse):
             return  # the worker index alone gains nothing
@@ -628,14 +686,29 @@ class _Wire:
             parts.append(tf.reshape(values, [-1]))
         self.tensor = tf.concat(parts, axis=0)
 
-    def unpack(self):
+    def inputs(self):
+        """What crosses to the ps: the wire, and what does not ride in it."""
+        return {
+            "tensor": self.tensor,
+            "packed": [
+                None if i in self._dense else p
+                for i, p in enumerate(self._packed)
+            ],
+            "sparse": [
+                None if i in self._sparse else p
+                for i, p in enumerate(self._sparse_in)
+            ],
+            "worker": self._worker if self.tensor is None else None,
+        }
+
+    def unpack(self, tensor, packed, sparse, worker):
         """`{"packed", "sparse", "worker"}` as they arrived (on the ps)."""
-        packed = list(self._packed)
-        sparse = list(self._sparse_in)
-        worker = self._worker
-        if self.tensor is None:
+        packed = list(packed)
+        sparse = list(sparse)
+        if tensor is None:
             return {"packed": packed, "sparse": sparse, "worker": worker}
-        wire = self.tensor
+        wire = tensor
+        worker = self._worker
         offset = len(self._sparse)
         rows = tf.cast(tf.round(wire[:offset]), tf.int32)
         for i in self._dense:

@@ -74,9 +74,11 @@ class Trainer:
             loop's control to the ps every iteration, and unrolled the w1
             MLP measured 1.4-1.5 x the steps per second
             (`docs/performance.md`). The cost: tracing takes
-            `steps_per_loop` times longer, and the ps holds that many
-            copies of its part of the step for each worker (~3 MB per
-            copy per worker on the w3 embedding). Use it for small models.
+            `steps_per_loop` times longer, and the ps holds more of the
+            step for each worker (the repeated pushes call one function,
+            but the rest is copied per step: on the w3 embedding, 10 steps
+            grew the ps by ~9 MB per worker, ~4.6 MB in a loop). Use it
+            for small models.
           checkpoint_dir: Where to save and resume; None: no checkpoints.
           max_to_keep: Checkpoints kept.
           callbacks: `tf.keras.callbacks.Callback`s.

@@ -22,9 +22,10 @@ def unroll_fit_steps(model):
     (`docs/performance.md`).
 
     The cost, as for `tf2sync.Trainer(use_tf_while_loop=False)`: tracing
-    takes `steps_per_execution` times longer, and the ps holds that many
-    copies of its part of the step for each worker (~3 MB per copy per
-    worker on the w3 embedding). Use it for small models and moderate
+    takes `steps_per_execution` times longer, and the ps holds more of the
+    step for each worker (the repeated pushes call one function, the rest
+    is copied per step: ~9 MB per worker on the w3 embedding at 10 steps,
+    ~4.6 MB in a loop). Use it for small models and moderate
     `steps_per_execution`.
 
     Only `fit` through a `ClusterCoordinator` changes: without one (no
