@@ -20,7 +20,7 @@ SYSTEMS = (
     "tf2sync_fit",
     "tf2sync_fit_unrolled",
     "tf2sync_loop",
-    "tf2sync_loop_unrolled",
+    "tf2sync_loop_while",
     "pss_async",
     "pss_async_unrolled",
     "pss_async_fit",

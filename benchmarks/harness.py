@@ -10,12 +10,14 @@ medians. The harness itself never imports TensorFlow.
 Systems (scenario `main`):
   local          one process, no distribution, global batch N x B.
   tf2sync_loop   tf2sync custom loop on a ClusterCoordinator, K steps/fn
-                 in a tf.while_loop.
-  tf2sync_loop_unrolled  the same, the K steps unrolled in the function.
+                 repeated in the graph as tf2sync.Trainer does by default
+                 (up to 10 copies per loop iteration).
+  tf2sync_loop_while  the same in a tf.while_loop of single steps.
   tf2sync_fit    tf2sync through model.fit, steps_per_execution=K.
   tf2sync_fit_unrolled   the same after tf2sync.unroll_fit_steps(model).
-  pss_async      stock (asynchronous) PSS custom loop, K steps/fn.
-  pss_async_unrolled     the same, unrolled.
+  pss_async      stock (asynchronous) PSS custom loop, K steps/fn in a
+                 tf.while_loop.
+  pss_async_unrolled     the same, the K steps repeated in the graph.
   pss_async_fit  stock PSS through model.fit (not in the default set).
   tf1_sync       TF1 SyncReplicasOptimizer, graph mode, one
                  MonitoredTrainingSession per worker thread.

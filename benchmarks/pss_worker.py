@@ -37,6 +37,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 import tf2sync  # noqa: E402
+from tf2sync._src import loops  # noqa: E402
 
 _WORKERS = flags.DEFINE_integer(
     "workers", 2, "Worker tasks (0: no cluster, for the `local` system)."
@@ -123,7 +124,7 @@ class _Server:
                 self.kind,
                 sync=sync,
                 delay_s=delay_s,
-                unroll=system.endswith("_unrolled"),
+                group=_loop_group(system, k),
             )
             answer["delay_s"] = delay_s
         self.runners[key] = runner
@@ -157,6 +158,15 @@ def main(argv):
         {"setup": server.setup, "run": server.run, "compute": server.compute},
         ready={"workers": workers},
     )
+
+
+def _loop_group(system, k):
+    """`LoopRunner`'s `group` for a loop system (see `sections.SYSTEM_TEXT`)."""
+    if system == "tf2sync_loop":  # tf2sync.Trainer's default
+        return loops.MAX_UNROLLED_STEPS
+    if system.endswith("_unrolled"):
+        return k
+    return None  # a tf.while_loop of single steps
 
 
 if __name__ == "__main__":

@@ -30,9 +30,9 @@ THROUGHPUT_TARGETS = (
     ("w1", "tf2sync_fit_unrolled", "tf1_sync", 1.0),
     ("w2", "tf2sync_fit_unrolled", "local", 0.95),
     ("w3", "tf2sync_fit_unrolled", "tf1_sync", 1.0),
-    ("w1", "tf2sync_loop_unrolled", "tf1_sync", 1.5),
-    ("w2", "tf2sync_loop_unrolled", "local", 0.95),
-    ("w3", "tf2sync_loop_unrolled", "tf1_sync", 1.0),
+    ("w1", "tf2sync_loop_while", "tf1_sync", 1.5),
+    ("w2", "tf2sync_loop_while", "local", 0.95),
+    ("w3", "tf2sync_loop_while", "tf1_sync", 1.0),
 )
 STRAGGLER_KEEP = 0.9
 # ps state growth per added worker, as a share of the embedding's size: a

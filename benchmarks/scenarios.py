@@ -186,7 +186,7 @@ def scenario_memory(bench, workload="w3"):
     cells = [("tf2sync_loop", n, s.optimizer) for n in s.memory_workers]
     cells += [
         (system, n, s.optimizer)
-        for system in ("tf2sync_loop_unrolled", "pss_async")
+        for system in ("tf2sync_loop_while", "pss_async")
         for n in sorted({fewest, most})
     ]
     cells.append(("pss_async", most, "keras"))

@@ -18,14 +18,17 @@ SYSTEM_TEXT = {
     "local": "one process, no distribution, global batch N x B",
     "tf2sync_fit": "tf2sync, `model.fit`, steps_per_execution=K",
     "tf2sync_fit_unrolled": "the same after `tf2sync.unroll_fit_steps(model)`"
-    ": each function repeats the step K times",
-    "tf2sync_loop": "tf2sync, custom loop, K steps per scheduled function "
-    "in a `tf.while_loop` (the default of `tf2sync.Trainer` and of `fit`)",
-    "tf2sync_loop_unrolled": "the same loop unrolled: the function repeats "
-    "the step K times (`tf2sync.Trainer(use_tf_while_loop=False)`)",
-    "pss_async": "stock ParameterServerStrategy (async), custom loop",
+    " (the launcher's default): each function repeats the step in its "
+    "graph, up to 10 copies per loop iteration",
+    "tf2sync_loop": "tf2sync, custom loop, K steps per scheduled function, "
+    "as `tf2sync.Trainer` runs them by default: the step repeated in the "
+    "graph, up to 10 copies per loop iteration",
+    "tf2sync_loop_while": "the same in a `tf.while_loop` of single steps "
+    "(`tf2sync.Trainer(use_tf_while_loop=True)`, Orbit's loop)",
+    "pss_async": "stock ParameterServerStrategy (async), custom loop in a "
+    "`tf.while_loop` (`tf.range`)",
     "pss_async_unrolled": "stock ParameterServerStrategy (async), the "
-    "same loop unrolled",
+    "K steps repeated in the graph",
     "pss_async_fit": "stock ParameterServerStrategy (async), `model.fit`",
     "tf1_sync": "TF1 `SyncReplicasOptimizer`, graph mode, one "
     "MonitoredTrainingSession per worker thread",

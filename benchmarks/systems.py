@@ -25,6 +25,7 @@ import tensorflow as tf  # noqa: E402
 import workloads  # noqa: E402
 
 import tf2sync  # noqa: E402
+from tf2sync._src import loops  # noqa: E402
 
 WARMUP_FUNCTIONS = 4
 _POLL_SECONDS = 0.02
@@ -96,12 +97,14 @@ class LoopRunner:
       sync: Whether the strategy and optimizer are tf2sync's.
       delay_s: Seconds each step of worker 0 sleeps (0: none), after the
         step's token and before its gradients: a straggler.
-      unroll: Whether the function repeats the step k times in its graph
-        (a Python loop) instead of running it in a `tf.while_loop`.
+      group: How the function repeats the step: None, a `tf.while_loop`
+        of single steps; an int, `tf2sync`'s loop with up to that many
+        copies of the step per loop iteration (`group >= k`: all k steps
+        repeated in the graph, no loop).
     """
 
     def __init__(
-        self, strategy, workload, k, kind, *, sync, delay_s=0.0, unroll=False
+        self, strategy, workload, k, kind, *, sync, delay_s=0.0, group=None
     ):
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
             strategy
@@ -138,8 +141,16 @@ class LoopRunner:
             if delay_s > 0:
                 index = _worker_index()
                 delay = tf.where(tf.equal(index, 0), delay_s, 0.0)
-            for _ in range(k) if unroll else tf.range(k):
+            if group is None:
+                for _ in tf.range(k):
+                    strategy.run(replica, args=(next(iterator), delay))
+                return
+
+            def step(count):
                 strategy.run(replica, args=(next(iterator), delay))
+                return count + 1
+
+            loops.repeat(step, k, group, tf.constant(0))
 
         self.train = train
         for _ in range(WARMUP_FUNCTIONS):

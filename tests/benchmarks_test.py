@@ -23,7 +23,7 @@ _SYSTEMS = (
     "tf2sync_fit",
     "tf2sync_fit_unrolled",
     "tf2sync_loop",
-    "tf2sync_loop_unrolled",
+    "tf2sync_loop_while",
     "pss_async",
     "pss_async_unrolled",
     "tf1_sync",

@@ -1,5 +1,7 @@
 """model.fit under SyncParameterServerStrategy."""
 
+from unittest import mock
+
 import numpy as np
 import tensorflow as tf
 import testutil
@@ -7,6 +9,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import tf2sync
+from tf2sync._src import loops
 
 
 def _reference(x, y, steps, opt_fn, seed=0):
@@ -41,10 +44,17 @@ class FitTest(parameterized.TestCase):
         ("spe5_even_steps", 5, 20),
         # tf2sync.unroll_fit_steps; the last function of an epoch has 1 step.
         ("spe10_odd_steps_unrolled", 10, 41, True),
+        # Groups of 3 copies: the first group, a tf.while_loop over 2, then
+        # 1 step unrolled.
+        ("spe10_odd_steps_grouped", 10, 41, True, 3),
     )
     def test_fit_matches_full_batch_reference(
-        self, spe, steps_per_epoch, unroll=False
+        self, spe, steps_per_epoch, unroll=False, group=None
     ):
+        if group:
+            self.enter_context(
+                mock.patch.object(loops, "MAX_UNROLLED_STEPS", group)
+            )
         # Every worker sees the same full batch, so any 2 fresh gradients
         # average to the full-batch gradient: U updates must equal U
         # single-process full-batch steps, whatever the interleaving.
@@ -81,6 +91,11 @@ class FitTest(parameterized.TestCase):
         self.assertLen(history.history["loss"], epochs)
         # The sync counters reach the logs (as the last push read them).
         self.assertGreater(history.history["sync_steps"][-1], 0)
+        if unroll:
+            function = model.train_function.functions[spe]
+            for traced in function._list_all_concrete_functions():
+                ops = {op.type for op in traced.graph.get_operations()}
+                self.assertEqual("While" in ops, bool(group), ops)
 
     def test_unrolled_fit_repeats_the_step_instead_of_looping(self):
         model = _compiled(steps_per_execution=5)

@@ -44,6 +44,7 @@ class LaunchTest(parameterized.TestCase):
         out = _launch(["--epochs=2", "--steps_per_epoch=20"])
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         self._check_result(out, 2, 20)
+        self.assertIn("10 per function (unrolled)", out.stdout)
         pids = json.loads(re.search(r"pids=(\[.*\])", out.stdout).group(1))
         self.assertLen(pids, 3)
         for pid in pids:
@@ -78,13 +79,13 @@ class LaunchTest(parameterized.TestCase):
         tasks = _Tasks(spec, env=env)
         try:
             out = _launch(
-                ["--epochs=2", "--steps_per_epoch=20", "--unroll_steps"],
+                ["--epochs=2", "--steps_per_epoch=20", "--nounroll_steps"],
                 env=env,
             )
         finally:
             tasks.stop()
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
-        self.assertIn("10 per function (unrolled)", out.stdout)
+        self.assertIn("10 per function (tf_keras loop)", out.stdout)
         self._check_result(out, 2, 20)
 
     def test_unreachable_task_times_out_naming_it(self):

@@ -1,6 +1,7 @@
 """tf2sync.Trainer: hooks, callbacks, checkpoints and exact resume."""
 
 import tempfile
+from unittest import mock
 
 import tensorflow as tf
 import testutil
@@ -8,6 +9,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import tf2sync
+from tf2sync._src import loops
 
 _X, _Y = testutil.data("dense", 32)
 
@@ -151,10 +153,14 @@ class TrainerTest(parameterized.TestCase):
         # Each repeated step is a shim step of its own (its own local-step
         # read and token), as each loop iteration is.
         ("unrolled", False),
+        # The default: groups of copies (here 2) in a tf.while_loop.
+        ("grouped", None),
     )
     def test_tf1_shim_trains_and_resumes_on_the_exact_trajectory(
         self, use_tf_while_loop
     ):
+        self.enter_context(mock.patch.object(loops, "MAX_UNROLLED_STEPS", 2))
+
         # Both workers see the same full batch: every accepted gradient is
         # the full-batch gradient at the current weights, so U rounds give
         # U single-process steps of TF1's momentum, across a resume too.
@@ -204,7 +210,7 @@ class TrainerTest(parameterized.TestCase):
 
     def test_unrolled_loop_trains_the_same_steps_without_a_while_loop(self):
         parts = _parts()
-        rolled = _trainer(parts, 4)
+        rolled = _trainer(parts, 4, use_tf_while_loop=True)
         rolled.train(_dataset_fn, epochs=2, steps_per_epoch=8)
         expected = parts[1].get_weights()
         rolled_optimizer = parts[2]
@@ -220,12 +226,49 @@ class TrainerTest(parameterized.TestCase):
         self.assertLess(
             testutil.max_abs_diff(parts[1].get_weights(), expected), 1e-6
         )
-        # The unrolled function repeats the step in its graph; the default
+        # The unrolled function repeats the step in its graph; the other
         # one loops.
         self.assertIn("While", _loop_ops(rolled))
         self.assertFalse(
             _loop_ops(unrolled) & {"While", "StatelessWhile"},
         )
+
+    def test_default_loop_repeats_the_step_in_groups(self):
+        # Steps beyond one group: a tf.while_loop over groups of copies
+        # (here 3), the rest unrolled after it; the same steps as a loop of
+        # single steps.
+        self.enter_context(mock.patch.object(loops, "MAX_UNROLLED_STEPS", 3))
+        parts = _parts()
+        _trainer(parts, 4, use_tf_while_loop=True).train(
+            _dataset_fn, epochs=2, steps_per_epoch=8
+        )
+        expected = parts[1].get_weights()
+        parts = _parts()
+        grouped = _trainer(parts, 8)  # 2 groups of 3 in a loop, then 2
+        history = grouped.train(_dataset_fn, epochs=2, steps_per_epoch=8)
+        self.assertEqual(history.history["sync_steps"], [4, 8])
+        self.assertLess(
+            testutil.max_abs_diff(parts[1].get_weights(), expected), 1e-6
+        )
+        (traced,) = grouped._loop._list_all_concrete_functions()
+        (loop,) = [
+            op for op in traced.graph.get_operations() if op.type == "While"
+        ]
+        body = traced.graph._functions[loop.get_attr("body").name]
+        pushes = [
+            op.name
+            for op in body.graph.get_operations()
+            if op.type == "MutexLock"
+        ]
+        self.assertLen(pushes, 3)
+        # The 2 steps after the loop, in the function's own graph.
+        self.assertEqual(_push_calls(grouped, parts[2]), 1)
+
+    def test_default_loop_without_more_steps_than_a_group_is_unrolled(self):
+        parts = _parts()
+        trainer = _trainer(parts, 4)
+        trainer.train(_dataset_fn, epochs=1, steps_per_epoch=8)
+        self.assertFalse(_loop_ops(trainer) & {"While", "StatelessWhile"})
 
     def test_unrolled_push_stays_inline_across_parameter_servers(self):
         # With 2 ps, the dense accumulators sit on both: a ps function for
@@ -250,7 +293,7 @@ class TrainerTest(parameterized.TestCase):
     def test_use_tf_while_loop_must_be_a_bool(self):
         with self.assertRaisesRegex(
             ValueError,
-            r"`use_tf_while_loop` must be True or False. Received: "
+            r"`use_tf_while_loop` must be None, True or False. Received: "
             r"use_tf_while_loop='no'",
         ):
             _trainer(_parts(), 4, use_tf_while_loop="no")

@@ -24,7 +24,7 @@ class ChiefConfig:
     epochs: int = 10
     steps_per_epoch: int | None = None
     steps_per_execution: int = 10
-    unroll_steps: bool = False
+    unroll_steps: bool = True
     learning_rate: float = 0.01
     momentum: float = 0.9
     mixed_precision: str = "float32"
@@ -167,7 +167,7 @@ def _train_once(resolver, job, config: ChiefConfig):
         f"tf2sync: {num_workers} workers, {len(spec['ps'])} ps, "
         f"replicas_to_aggregate={rta}, total_num_replicas={total}, "
         f"{steps} steps/epoch, {config.steps_per_execution} per function"
-        f"{' (unrolled)' if config.unroll_steps else ''}, "
+        f"{' (unrolled)' if config.unroll_steps else ' (tf_keras loop)'}, "
         f"{config.mixed_precision}",
         flush=True,
     )

@@ -76,11 +76,12 @@ _STEPS_PER_EXECUTION = flags.DEFINE_integer(
 )
 _UNROLL_STEPS = flags.DEFINE_boolean(
     "unroll_steps",
-    False,
-    "Repeat the steps_per_execution steps in each scheduled function "
-    "instead of looping over them (tf2sync.unroll_fit_steps): faster for "
-    "small models; the ps keeps a copy of its part of the step per "
-    "repeated step and worker.",
+    True,
+    "Repeat the step in each scheduled function, up to 10 copies per "
+    "loop iteration (tf2sync.unroll_fit_steps), instead of tf_keras's "
+    "tf.range loop, whose control crosses to the ps every step. "
+    "--nounroll_steps: tf_keras's loop (tracing is then faster, for large "
+    "models).",
 )
 _LEARNING_RATE = flags.DEFINE_float(
     "learning_rate",

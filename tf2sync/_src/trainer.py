@@ -10,6 +10,7 @@ import tf_keras
 
 from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import compat_v1
+from tf2sync._src import loops
 
 
 class Trainer:
@@ -25,9 +26,9 @@ class Trainer:
        `loss_fn(y, model(x))` and applies through the `SyncOptimizer`, or
        through a `tf2sync.compat.v1.SyncReplicasOptimizer` with the
        trainer's `global_step`, TF1's protocol; the coordinator starts its
-       chief part, no hook is needed). With `use_tf_while_loop=False` the
-       function repeats the step `steps_per_loop` times in its graph
-       instead of looping over it (see `__init__`).
+       chief part, no hook is needed). By default the function repeats
+       the step in its graph, up to 10 copies per `tf.while_loop`
+       iteration (see `use_tf_while_loop` in `__init__`).
     3. The loop joins: when `train` returns or raises, no step is running.
     4. `train_loop_end(logs)` may add entries; the sync totals (exact, read
        after the join) are added; then `on_epoch_end`, and with
@@ -50,7 +51,7 @@ class Trainer:
         optimizer,
         loss_fn=None,
         steps_per_loop: int = 10,
-        use_tf_while_loop: bool = True,
+        use_tf_while_loop: bool | None = None,
         checkpoint_dir: str | None = None,
         max_to_keep: int = 3,
         callbacks=(),
@@ -67,18 +68,20 @@ class Trainer:
           loss_fn: `loss_fn(y_true, y_pred) -> scalar`, for the default
             `train_step`.
           steps_per_loop: Synchronous steps per scheduled function.
-          use_tf_while_loop: Whether a scheduled function runs its steps in
-            a `tf.while_loop` (as in Orbit's `StandardTrainer`). False
-            repeats the step `steps_per_loop` times in the traced graph:
-            a loop whose body runs on the worker and on the ps sends the
-            loop's control to the ps every iteration, and unrolled the w1
-            MLP measured 1.4-1.5 x the steps per second
-            (`docs/performance.md`). The cost: tracing takes
-            `steps_per_loop` times longer, and the ps holds more of the
-            step for each worker (the repeated pushes call one function,
-            but the rest is copied per step: on the w3 embedding, 10 steps
-            grew the ps by ~9 MB per worker, ~4.6 MB in a loop). Use it
-            for small models.
+          use_tf_while_loop: How a scheduled function runs its
+            `steps_per_loop` steps. A `tf.while_loop` whose body runs on
+            the worker and on the ps sends the loop's control to the ps
+            every iteration; repeating the step in the traced graph
+            instead measured 1.4-1.7 x the steps per second on the w1 MLP
+            (`docs/performance.md`), at the cost of tracing the step once
+            per copy and of ps memory (on the w3 embedding, 10 copies grew
+            the ps by ~9 MB per worker, ~4.6 MB with one). None (the
+            default): the step is repeated in groups of up to 10 copies,
+            and a `tf.while_loop` runs the groups when `steps_per_loop` is
+            larger (the rest follows unrolled). True: a `tf.while_loop` of
+            single steps, as Orbit's `StandardTrainer` (for large models,
+            where tracing time counts and the loop's cost does not). False:
+            all `steps_per_loop` steps repeated in the graph.
           checkpoint_dir: Where to save and resume; None: no checkpoints.
           max_to_keep: Checkpoints kept.
           callbacks: `tf.keras.callbacks.Callback`s.
@@ -86,16 +89,18 @@ class Trainer:
 
         Raises:
           ValueError: If `steps_per_loop` is not a positive int, or
-            `use_tf_while_loop` not a bool.
+            `use_tf_while_loop` not None or a bool.
         """
         if not isinstance(steps_per_loop, int) or steps_per_loop <= 0:
             raise ValueError(
                 "`steps_per_loop` must be a positive int. Received: "
                 f"steps_per_loop={steps_per_loop!r}"
             )
-        if not isinstance(use_tf_while_loop, bool):
+        if use_tf_while_loop is not None and not isinstance(
+            use_tf_while_loop, bool
+        ):
             raise ValueError(
-                "`use_tf_while_loop` must be True or False. Received: "
+                "`use_tf_while_loop` must be None, True or False. Received: "
                 f"use_tf_while_loop={use_tf_while_loop!r}"
             )
         self.strategy = strategy
@@ -159,17 +164,21 @@ class Trainer:
 
     def _loop_function(self):
         steps = self.steps_per_loop
-        # A Python range is unrolled by AutoGraph; tf.range becomes a loop.
-        repeat = tf.range if self.use_tf_while_loop else range
+        group = {
+            None: loops.MAX_UNROLLED_STEPS,
+            True: 1,  # a tf.while_loop of single steps
+            False: steps,  # every step a copy in the graph
+        }[self.use_tf_while_loop]
 
         @tf.function
         def loop(iterator):
-            total = tf.constant(0.0)
-            for _ in repeat(steps):
+            def step(total):
                 loss = self.strategy.run(
                     self.train_step, args=(next(iterator),)
                 )
-                total += tf.cast(loss, tf.float32)
+                return total + tf.cast(loss, tf.float32)
+
+            total = loops.repeat(step, steps, group, tf.constant(0.0))
             return total / steps
 
         return loop

@@ -6,6 +6,8 @@ import tensorflow as tf
 import tf_keras
 from tf_keras.src.engine import training as keras_training
 
+from tf2sync._src import loops
+
 
 def unroll_fit_steps(model):
     """Makes `model.fit` repeat its steps in each function instead of looping.
@@ -16,17 +18,19 @@ def unroll_fit_steps(model):
     iteration sends the loop's control to the ps on top of the step's own
     transfers. After this call, each scheduled function repeats tf_keras's
     own step (`train_step`, the `_train_counter` increment, `jit_compile`)
-    `steps_per_execution` times in its graph instead: the same steps, in the
+    in its graph instead, as `tf2sync.Trainer` does by default: up to 10
+    copies, and with a larger `steps_per_execution` a `tf.while_loop` runs
+    groups of 10 and the rest follows unrolled. The same steps run in the
     same order, with the same logs. On the w1 MLP (2 workers + 1 ps, 2
     cores) `fit` measured ~1.8 x the examples per second
     (`docs/performance.md`).
 
-    The cost, as for `tf2sync.Trainer(use_tf_while_loop=False)`: tracing
-    takes `steps_per_execution` times longer, and the ps holds more of the
-    step for each worker (the repeated pushes call one function, the rest
-    is copied per step: ~9 MB per worker on the w3 embedding at 10 steps,
-    ~4.6 MB in a loop). Use it for small models and moderate
-    `steps_per_execution`.
+    The cost: tracing takes up to 10 times longer (a ResNet-50 step: ~10 s
+    instead of ~2 s to the first call), and the ps holds more of the step
+    for each worker (the repeated pushes call one function, the rest is
+    copied per step: on the w3 embedding, ~9 MB per worker at 10 steps,
+    ~4.6 MB in a loop). On a compute-bound model the loop costs little and
+    this gains little.
 
     Only `fit` through a `ClusterCoordinator` changes: without one (no
     ParameterServerStrategy), `fit` runs tf_keras's own function. Call it
@@ -69,6 +73,7 @@ def unroll_fit_steps(model):
                 model.train_tf_function = function  # TensorBoard's graph
             return coordinator.schedule(function, args=(iterator,))
 
+        schedule.functions = functions  # by steps (not tracked by Keras)
         model.train_function = schedule
         return schedule
 
@@ -97,14 +102,15 @@ def _unrolled(model, steps):
     run_step._tf2sync_keras_train_step = True
 
     def train_function(iterator):
-        for _ in range(steps):
+        def step(_):
             data = next(iterator)
             outputs = model.distribute_strategy.run(run_step, args=(data,))
-            outputs = keras_training.reduce_per_replica(
+            return keras_training.reduce_per_replica(
                 outputs,
                 model.distribute_strategy,
                 reduction=model.distribute_reduction_method,
             )
-        return outputs
+
+        return loops.repeat(step, steps, loops.MAX_UNROLLED_STEPS)
 
     return train_function
