@@ -295,11 +295,11 @@ def _growth_per_worker(rows):
     return (_state_mb(rows[-1]) - _state_mb(rows[0])) / added
 
 
-def memory_summary(records):
-    """tf2sync's (state growth per added worker beyond stock PSS's, largest
+def memory_summary(records, system="tf2sync_loop"):
+    """`system`'s (state growth per added worker beyond stock PSS's, largest
     per-step peak), in MB."""
     found = _memory_rows(records)
-    ours = [r for r in found if r["system"] == "tf2sync_loop"]
+    ours = [r for r in found if r["system"] == system]
     kind = ours[0]["optimizer"] if ours else None
     stock = [
         r
