@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 import testutil
 from absl.testing import absltest
+from absl.testing import parameterized
 
 import tf2sync
 
@@ -77,7 +78,7 @@ class NonFiniteTest(absltest.TestCase):
                 )
 
 
-class MixedPrecisionTest(absltest.TestCase):
+class MixedPrecisionTest(parameterized.TestCase):
     def setUp(self):
         super().setUp()
         tf.keras.mixed_precision.set_global_policy("mixed_float16")
@@ -127,7 +128,15 @@ class MixedPrecisionTest(absltest.TestCase):
             self.assertTrue(np.all(np.isfinite(w)))
         self.assertEqual(int(optimizer.nonfinite_dropped.numpy()), 0)
 
-    def test_overflow_halves_the_scale_and_never_corrupts_weights(self):
+    @parameterized.named_parameters(
+        ("one_step_per_function", False),
+        # 5 steps repeated in each function: the later pushes call one ps
+        # function, whose non-finite path and loss scale must still work.
+        ("repeated_steps", True),
+    )
+    def test_overflow_halves_the_scale_and_never_corrupts_weights(
+        self, repeated
+    ):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         with strategy.scope():
             model = self._model()
@@ -137,7 +146,13 @@ class MixedPrecisionTest(absltest.TestCase):
                     initial_scale=2.0**40,  # float16 overflows: inf grads
                 )
             )
-            model.compile(optimizer=optimizer, loss=testutil.LOSS)
+            model.compile(
+                optimizer=optimizer,
+                loss=testutil.LOSS,
+                steps_per_execution=5 if repeated else 1,
+            )
+        if repeated:
+            tf2sync.unroll_fit_steps(model)
         x, y = testutil.data("dense", 16)
         ds = tf.data.Dataset.from_tensors((x, y)).repeat()
         model.fit(ds, epochs=1, steps_per_epoch=60, verbose=0)
