@@ -18,7 +18,7 @@ import procs
 SYSTEMS = (
     "local",
     "tf2sync_fit",
-    "tf2sync_fit_unrolled",
+    "tf2sync_fit_keras_loop",
     "tf2sync_loop",
     "tf2sync_loop_while",
     "pss_async",

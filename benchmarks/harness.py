@@ -13,8 +13,10 @@ Systems (scenario `main`):
                  repeated in the graph as tf2sync.Trainer does by default
                  (up to 10 copies per loop iteration).
   tf2sync_loop_while  the same in a tf.while_loop of single steps.
-  tf2sync_fit    tf2sync through model.fit, steps_per_execution=K.
-  tf2sync_fit_unrolled   the same after tf2sync.unroll_fit_steps(model).
+  tf2sync_fit    tf2sync through model.fit, steps_per_execution=K (the
+                 steps repeated in each function, tf2sync's default).
+  tf2sync_fit_keras_loop  the same in tf_keras's tf.range loop
+                 (tf2sync.unroll_fit_steps(model, False)).
   pss_async      stock (asynchronous) PSS custom loop, K steps/fn in a
                  tf.while_loop.
   pss_async_unrolled     the same, the K steps repeated in the graph.

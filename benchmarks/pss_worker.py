@@ -106,7 +106,7 @@ class _Server:
                 k,
                 self.kind,
                 sync=sync,
-                unroll=system.endswith("_unrolled"),
+                keras_loop=system.endswith("_keras_loop"),
             )
         else:
             delay_s = 0.0

@@ -16,10 +16,11 @@ WORKLOAD_TEXT = {
 }
 SYSTEM_TEXT = {
     "local": "one process, no distribution, global batch N x B",
-    "tf2sync_fit": "tf2sync, `model.fit`, steps_per_execution=K",
-    "tf2sync_fit_unrolled": "the same after `tf2sync.unroll_fit_steps(model)`"
-    " (the launcher's default): each function repeats the step in its "
-    "graph, up to 10 copies per loop iteration",
+    "tf2sync_fit": "tf2sync, `model.fit`, steps_per_execution=K; each "
+    "function repeats the step in its graph (tf2sync's default: up to 10 "
+    "copies per loop iteration)",
+    "tf2sync_fit_keras_loop": "the same after "
+    "`tf2sync.unroll_fit_steps(model, False)`: tf_keras's `tf.range` loop",
     "tf2sync_loop": "tf2sync, custom loop, K steps per scheduled function, "
     "as `tf2sync.Trainer` runs them by default: the step repeated in the "
     "graph, up to 10 copies per loop iteration",

@@ -232,10 +232,12 @@ class _Timer(tf.keras.callbacks.Callback):
 class FitRunner:
     """`model.fit` with `steps_per_execution=k`, stock or tf2sync.
 
-    With `unroll`, after `tf2sync.unroll_fit_steps(model)`.
+    tf2sync's `fit` repeats its steps in each function by default; with
+    `keras_loop`, after `tf2sync.unroll_fit_steps(model, False)` (tf_keras's
+    `tf.range` loop).
     """
 
-    def __init__(self, strategy, workload, k, kind, *, sync, unroll=False):
+    def __init__(self, strategy, workload, k, kind, *, sync, keras_loop=False):
         self.batch = workloads.BATCH[workload]
         self.k = k
         self.sync = sync
@@ -248,8 +250,8 @@ class FitRunner:
                 loss=workloads.keras_loss(workload),
                 steps_per_execution=k,
             )
-        if unroll:
-            tf2sync.unroll_fit_steps(self.model)
+        if keras_loop:
+            tf2sync.unroll_fit_steps(self.model, False)
         self.data = workloads.dataset(workload, self.batch)
         self.model.fit(
             self.data, epochs=1, steps_per_epoch=WARMUP_FUNCTIONS * k, verbose=0

@@ -21,7 +21,7 @@ _HARNESS = os.path.join(_ROOT, "benchmarks", "harness.py")
 _SYSTEMS = (
     "local",
     "tf2sync_fit",
-    "tf2sync_fit_unrolled",
+    "tf2sync_fit_keras_loop",
     "tf2sync_loop",
     "tf2sync_loop_while",
     "pss_async",

@@ -775,8 +775,8 @@ class FitTest(absltest.TestCase):
             model.compile(
                 optimizer=opt, loss=testutil.LOSS, steps_per_execution=spe
             )
-        if unroll:
-            tf2sync.unroll_fit_steps(model)
+        # fit repeats its steps by default; False keeps tf_keras's loop.
+        tf2sync.unroll_fit_steps(model, unroll)
         history = model.fit(
             dataset, epochs=epochs, steps_per_epoch=steps, verbose=0
         )

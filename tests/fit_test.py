@@ -36,20 +36,32 @@ def _compiled(**compile_kwargs):
     return model
 
 
+def _ops(function):
+    """Op types of every trace of a `tf.function`."""
+    return {
+        op.type
+        for traced in function._list_all_concrete_functions()
+        for op in traced.graph.get_operations()
+    }
+
+
 class FitTest(parameterized.TestCase):
     @parameterized.named_parameters(
-        # 41 steps per epoch: not a multiple of the 2 workers.
+        # 41 steps per epoch: not a multiple of the 2 workers. fit repeats
+        # its steps by default (unroll=None: no call); the last function
+        # of an epoch has 1 step.
         ("spe1_odd_steps", 1, 41),
         ("spe10_odd_steps", 10, 41),
         ("spe5_even_steps", 5, 20),
-        # tf2sync.unroll_fit_steps; the last function of an epoch has 1 step.
-        ("spe10_odd_steps_unrolled", 10, 41, True),
+        ("spe10_odd_steps_explicit", 10, 41, True),
+        # tf2sync.unroll_fit_steps(model, False): tf_keras's tf.range loop.
+        ("spe10_odd_steps_keras_loop", 10, 41, False),
         # Groups of 3 copies: the first group, a tf.while_loop over 2, then
         # 1 step unrolled.
         ("spe10_odd_steps_grouped", 10, 41, True, 3),
     )
     def test_fit_matches_full_batch_reference(
-        self, spe, steps_per_epoch, unroll=False, group=None
+        self, spe, steps_per_epoch, unroll=None, group=None
     ):
         if group:
             self.enter_context(
@@ -69,8 +81,8 @@ class FitTest(parameterized.TestCase):
                 loss=testutil.LOSS,
                 steps_per_execution=spe,
             )
-        if unroll:
-            tf2sync.unroll_fit_steps(model)
+        if unroll is not None:
+            tf2sync.unroll_fit_steps(model, unroll)
         x, y = testutil.data("dense", 32)
         ds = tf.data.Dataset.from_tensors((x, y)).repeat()
         history = model.fit(
@@ -91,11 +103,14 @@ class FitTest(parameterized.TestCase):
         self.assertLen(history.history["loss"], epochs)
         # The sync counters reach the logs (as the last push read them).
         self.assertGreater(history.history["sync_steps"][-1], 0)
-        if unroll:
+        if unroll is False:  # tf_keras's own function, its tf.range loop
+            self.assertFalse(hasattr(model.train_function, "functions"))
+            if spe > 1:
+                ops = _ops(model.train_tf_function)
+                self.assertIn("While", ops)
+        else:
             function = model.train_function.functions[spe]
-            for traced in function._list_all_concrete_functions():
-                ops = {op.type for op in traced.graph.get_operations()}
-                self.assertEqual("While" in ops, bool(group), ops)
+            self.assertEqual("While" in _ops(function), bool(group))
 
     def test_unrolled_fit_repeats_the_step_instead_of_looping(self):
         model = _compiled(steps_per_execution=5)
@@ -110,6 +125,48 @@ class FitTest(parameterized.TestCase):
             self.assertFalse(ops & {"While", "StatelessWhile"}, ops)
         self.assertEqual(int(model._train_counter.numpy()), 10)
         self.assertEqual(int(model.optimizer.iterations.numpy()), 5)
+
+    def test_fit_repeats_its_steps_by_default_and_can_be_told_not_to(self):
+        model = _compiled(steps_per_execution=5)
+        x, y = testutil.data("dense", 32)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
+        self.assertNotIn("While", _ops(model.train_function.functions[5]))
+        # Opting out afterwards: tf_keras's own function and loop again.
+        tf2sync.unroll_fit_steps(model, False)
+        model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
+        self.assertFalse(hasattr(model.train_function, "functions"))
+        self.assertIn("While", _ops(model.train_tf_function))
+        self.assertEqual(int(model._train_counter.numpy()), 10)  # this fit
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 10)
+
+    def test_fit_keeps_a_models_own_make_train_function(self):
+        made = []
+
+        class Custom(tf.keras.Sequential):
+            def make_train_function(self, force=False):
+                made.append(force)
+                return super().make_train_function(force)
+
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = Custom([tf.keras.layers.Dense(3, input_shape=(4,))])
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.05)),
+                loss=testutil.LOSS,
+                steps_per_execution=2,
+            )
+        x, y = testutil.data("dense", 32)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=1, steps_per_epoch=4, verbose=0)
+        self.assertNotEmpty(made)
+        self.assertIn("While", _ops(model.train_tf_function))
+
+    def test_unroll_fit_steps_enabled_must_be_a_bool(self):
+        with self.assertRaisesRegex(
+            TypeError, r"`enabled` must be True or False. Received: enabled=1"
+        ):
+            tf2sync.unroll_fit_steps(_compiled(), 1)
 
     def test_unroll_fit_steps_refuses_what_is_not_a_model(self):
         with self.assertRaisesRegex(

@@ -158,8 +158,7 @@ def _train_once(resolver, job, config: ChiefConfig):
             metrics=list(job.METRICS),
             steps_per_execution=config.steps_per_execution,
         )
-    if config.unroll_steps:
-        tf2sync.unroll_fit_steps(model)
+    tf2sync.unroll_fit_steps(model, config.unroll_steps)
     steps = config.steps_per_epoch or max(
         1, job.num_train_examples() // (config.batch_size * num_workers)
     )

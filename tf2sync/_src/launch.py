@@ -78,7 +78,7 @@ _UNROLL_STEPS = flags.DEFINE_boolean(
     "unroll_steps",
     True,
     "Repeat the step in each scheduled function, up to 10 copies per "
-    "loop iteration (tf2sync.unroll_fit_steps), instead of tf_keras's "
+    "loop iteration (fit's default under tf2sync), instead of tf_keras's "
     "tf.range loop, whose control crosses to the ps every step. "
     "--nounroll_steps: tf_keras's loop (tracing is then faster, for large "
     "models).",

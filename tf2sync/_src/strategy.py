@@ -21,6 +21,7 @@ from tensorflow.python.distribute.coordinator import (
 
 from tf2sync._src import aggregation
 from tf2sync._src import config as config_lib
+from tf2sync._src import unrolled_fit
 from tf2sync._src import watchdog
 
 _STEP = threading.local()
@@ -199,6 +200,10 @@ class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
         """
         if self.strategy.extended._num_gpus_per_worker == 0:
             dataset_fn = _single_pipeline(dataset_fn)
+        model = _fitting_model()
+        if model is not None:
+            # fit makes its train function next: repeat its steps.
+            unrolled_fit.repeat_by_default(model)
         return super().create_per_worker_dataset(dataset_fn)
 
     def _ids(self):
@@ -256,6 +261,23 @@ def _for_exact_evaluation() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _fitting_model():
+    """The model whose `fit` or `evaluate` is building its input, or None.
+
+    tf_keras's `_ClusterCoordinatorDataHandler` (exact evaluation's
+    subclass aside) creates the per-worker dataset before `fit` makes its
+    train function. (If tf_keras renamed it, `fit` would keep tf_keras's
+    loop: the slower side, not a wrong one.)
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        handler = frame.f_locals.get("self")
+        if type(handler).__name__ == "_ClusterCoordinatorDataHandler":
+            return getattr(handler, "_model", None)
+        frame = frame.f_back
+    return None
 
 
 def _single_pipeline(dataset_or_fn):
