@@ -1,4 +1,4 @@
-"""Repository hygiene: ruff format/check clean, BUILD names every module."""
+"""Repository hygiene: ruff clean, BUILD names every module and its deps."""
 
 import glob
 import os
@@ -52,6 +52,40 @@ class LintTest(absltest.TestCase):
             f for f in files if f not in named and not f.endswith("conftest.py")
         )
         self.assertEqual(missing, [], "BUILD does not name these files")
+
+    def test_build_targets_depend_on_what_they_import(self):
+        # Each target lists the targets of the tf2sync modules its files
+        # import (`from tf2sync._src import x`), so Bazel builds them.
+        with open(os.path.join(_ROOT, "BUILD")) as f:
+            build = f.read()
+        targets = {}
+        for match in re.finditer(
+            r'py_(?:library|test|binary)\(\s*name = "([^"]+)",(.*?)\n\)',
+            build,
+            re.S,
+        ):
+            name, body = match.groups()
+            head, _, deps = body.partition("deps")
+            targets[name] = (
+                re.findall(r'"([\w/]+\.py)"', head),
+                set(re.findall(r'":([^"]+)"', deps)),
+            )
+        owner = {}
+        for name, (srcs, _) in targets.items():
+            for src in srcs:
+                owner.setdefault(src, name)
+        missing = {}
+        for name, (srcs, deps) in targets.items():
+            for src in srcs:
+                with open(os.path.join(_ROOT, src)) as f:
+                    text = f.read()
+                for module in re.findall(
+                    r"from tf2sync\._src import (\w+)", text
+                ):
+                    target = owner.get(f"tf2sync/_src/{module}.py")
+                    if target not in (None, name) and target not in deps:
+                        missing.setdefault(name, set()).add(target)
+        self.assertEqual(missing, {}, "BUILD targets missing these deps")
 
 
 if __name__ == "__main__":
