@@ -246,21 +246,31 @@ class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
         return super().schedule(wrapped, args=args, kwargs=kwargs)
 
 
+def _caller_of_type(type_name):
+    """The nearest caller's `self` whose class is named `type_name`, or None.
+
+    tf_keras's data handlers call the strategy without saying who they are;
+    the stack does. (If tf_keras renamed a class, the lookup finds nothing,
+    and each use below falls to its safe side.)
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if type(owner).__name__ == type_name:
+            return owner
+        frame = frame.f_back
+    return None
+
+
 def _for_exact_evaluation() -> bool:
     """Whether tf_keras's exact evaluation is distributing a dataset.
 
     `model.evaluate` after `compile(pss_evaluation_shards=...)` gives its
-    finite dataset through `_ClusterCoordinatorExactEvalDataHandler`. (If
-    tf_keras renamed it, finite datasets would be refused there as
-    elsewhere: the safe side.)
+    finite dataset through `_ClusterCoordinatorExactEvalDataHandler`
+    (otherwise finite datasets are refused, as elsewhere).
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = type(frame.f_locals.get("self")).__name__
-        if owner == "_ClusterCoordinatorExactEvalDataHandler":
-            return True
-        frame = frame.f_back
-    return False
+    handler = _caller_of_type("_ClusterCoordinatorExactEvalDataHandler")
+    return handler is not None
 
 
 def _fitting_model():
@@ -268,16 +278,11 @@ def _fitting_model():
 
     tf_keras's `_ClusterCoordinatorDataHandler` (exact evaluation's
     subclass aside) creates the per-worker dataset before `fit` makes its
-    train function. (If tf_keras renamed it, `fit` would keep tf_keras's
-    loop: the slower side, not a wrong one.)
+    train function (otherwise `fit` keeps tf_keras's loop: slower, not
+    wrong).
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        handler = frame.f_locals.get("self")
-        if type(handler).__name__ == "_ClusterCoordinatorDataHandler":
-            return getattr(handler, "_model", None)
-        frame = frame.f_back
-    return None
+    handler = _caller_of_type("_ClusterCoordinatorDataHandler")
+    return getattr(handler, "_model", None)
 
 
 def _single_pipeline(dataset_or_fn):
