@@ -10,6 +10,7 @@ from absl.testing import parameterized
 
 import tf2sync
 from tf2sync._src import loops
+from tf2sync._src import unrolled_fit
 
 
 def _reference(x, y, steps, opt_fn, seed=0):
@@ -101,8 +102,19 @@ class FitTest(parameterized.TestCase):
             1e-5,
         )
         self.assertLen(history.history["loss"], epochs)
-        # The sync counters reach the logs (as the last push read them).
-        self.assertGreater(history.history["sync_steps"][-1], 0)
+        # tf_keras counts a step once it succeeded (once per function when
+        # fit repeats its steps).
+        self.assertEqual(int(model._train_counter.numpy()), pushes)
+        if unroll is False:
+            # The sync counters reach the logs as the last push read them.
+            self.assertGreater(history.history["sync_steps"][-1], 0)
+        else:
+            # Read from the ps when fit fetched its logs, after its join:
+            # exact.
+            logs = {k: v[-1] for k, v in history.history.items()}
+            self.assertEqual(logs["sync_steps"], updates)
+            self.assertEqual(logs["stale_dropped"], 0)
+            self.assertEqual(logs["accepted_w0"] + logs["accepted_w1"], pushes)
         if unroll is False:  # tf_keras's own function, its tf.range loop
             self.assertFalse(hasattr(model.train_function, "functions"))
             if spe > 1:
@@ -161,6 +173,20 @@ class FitTest(parameterized.TestCase):
         model.fit(ds, epochs=1, steps_per_epoch=4, verbose=0)
         self.assertNotEmpty(made)
         self.assertIn("While", _ops(model.train_tf_function))
+
+    def test_steps_of_a_call_come_from_fits_data_handler(self):
+        model = _compiled(steps_per_execution=10)
+        handler = mock.Mock(_step_increment=3)  # a last call of 4 steps
+
+        class Caller:
+            def fit(self, data_handler):
+                return unrolled_fit._steps_of_call(model)
+
+        caller = Caller()
+        self.assertEqual(Caller.fit(model, handler), 4)
+        # Another object's fit, or no fit on the stack: the variable.
+        self.assertEqual(caller.fit(handler), 10)
+        self.assertEqual(unrolled_fit._steps_of_call(model), 10)
 
     def test_unroll_fit_steps_enabled_must_be_a_bool(self):
         with self.assertRaisesRegex(

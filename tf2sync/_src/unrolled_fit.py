@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import tensorflow as tf
 import tf_keras
 from tf_keras.src.engine import training as keras_training
 
+from tf2sync._src import callbacks
 from tf2sync._src import loops
 
 
@@ -17,13 +20,17 @@ def unroll_fit_steps(model, enabled: bool = True):
     loop. The loop's body runs on the worker and on the ps, so every
     iteration sends the loop's control to the ps on top of the step's own
     transfers. Repeating the step instead, each scheduled function runs
-    tf_keras's own step (`train_step`, the `_train_counter` increment,
-    `jit_compile`) in its graph, as `tf2sync.Trainer` does by default: up
-    to 10 copies, and with a larger `steps_per_execution` a
-    `tf.while_loop` runs groups of 10 and the rest follows unrolled. The
-    same steps run in the same order, with the same logs. On the w1 MLP
-    (2 workers + 1 ps, 2 cores) `fit` measured ~1.7 x the examples per
-    second (`docs/performance.md`).
+    tf_keras's own `train_step` (with `jit_compile` if set) in its graph,
+    as `tf2sync.Trainer` does by default: up to 10 copies, and with a
+    larger `steps_per_execution` a `tf.while_loop` runs groups of 10 and
+    the rest follows unrolled. The same steps run in the same order. Two
+    more writes and reads of the ps are saved per step: `_train_counter`
+    counts a function's steps once they all succeeded, and the sync
+    counters (`sync_steps`, `stale_dropped`, ...) are read from the ps when
+    the logs are fetched (at the end of an epoch, after its `join`: exact)
+    rather than returned by every push. On the w1 MLP (2 workers + 1 ps, 2
+    cores) `fit` measured ~1.7 x the examples per second, and on the w3
+    embedding ~1.3 x (`docs/performance.md`).
 
     Under `tf2sync.SyncParameterServerStrategy`, `fit` does this by
     default (from its first call on the model), unless the model's class
@@ -80,15 +87,16 @@ def unroll_fit_steps(model, enabled: bool = True):
         functions = {}
 
         def schedule(iterator):
-            # Read when scheduled, as tf_keras does (autotuning may change
-            # it between calls); one function per value.
-            steps = int(model._steps_per_execution.numpy())
+            # One function per value, as fit's data handler counts them.
+            steps = _steps_of_call(model)
             function = functions.get(steps)
             if function is None:
                 function = tf.function(_unrolled(model, steps))
                 functions[steps] = function
                 model.train_tf_function = function  # TensorBoard's graph
-            return coordinator.schedule(function, args=(iterator,))
+            logs = coordinator.schedule(function, args=(iterator,))
+            sync = _sync_optimizer(model)
+            return logs if sync is None else _WithSyncTotals(logs, sync)
 
         schedule.functions = functions  # by steps (not tracked by Keras)
         model.train_function = schedule
@@ -120,20 +128,14 @@ def _unrolled(model, steps):
     """tf_keras's multi-step train function, its loop unrolled."""
 
     def run_step(data):
-        outputs = model.train_step(data)
-        # As tf_keras: count the step only if `train_step` succeeded.
-        with tf.control_dependencies(
-            keras_training._minimum_control_deps(outputs)
-        ):
-            model._train_counter.assign_add(1)
-        return outputs
+        return model.train_step(data)
 
     if model.jit_compile:
         run_step = tf.function(
             run_step, jit_compile=True, reduce_retracing=True
         )
-    # The strategy adds the sync counters to the logs of fit's steps only.
-    run_step._tf2sync_keras_train_step = True
+    # No `_tf2sync_keras_train_step` mark: the sync counters join the logs
+    # when they are fetched (`_WithSyncTotals`), not from the pushes.
 
     def train_function(iterator):
         def step(_):
@@ -145,6 +147,78 @@ def _unrolled(model, steps):
                 reduction=model.distribute_reduction_method,
             )
 
-        return loops.repeat(step, steps, loops.MAX_UNROLLED_STEPS)
+        outputs = loops.repeat(step, steps, loops.MAX_UNROLLED_STEPS)
+        # As tf_keras, the steps count once they succeeded; one write to
+        # the ps per function rather than per step (the counter is read
+        # from the coordinator, between functions).
+        with tf.control_dependencies(
+            keras_training._minimum_control_deps(outputs)
+        ):
+            model._train_counter.assign_add(steps)
+        return outputs
 
     return train_function
+
+
+def _steps_of_call(model):
+    """The steps of the train function `fit` is calling now.
+
+    `fit`'s data handler sets them (`_step_increment + 1`: the
+    `steps_per_execution` it read, or fewer for an epoch's last call) just
+    before the call. Reading them there saves a round trip to the ps per
+    function; outside `fit` (or if tf_keras renamed them) the model's
+    `_steps_per_execution` is read, as tf_keras's own function does.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (
+            frame.f_code.co_name == "fit"
+            and frame.f_locals.get("self") is model
+        ):
+            handler = frame.f_locals.get("data_handler")
+            increment = getattr(handler, "_step_increment", None)
+            if isinstance(increment, int) and increment >= 0:
+                return increment + 1
+            break
+        frame = frame.f_back
+    return int(model._steps_per_execution.numpy())
+
+
+def _sync_optimizer(model):
+    """The model's `SyncOptimizer` (under loss scaling too), or None."""
+    try:
+        return callbacks.find_sync_optimizer(model.optimizer)
+    except ValueError:
+        return None
+
+
+class _WithSyncTotals(tf.distribute.experimental.coordinator.RemoteValue):
+    """The logs of one scheduled `fit` function, plus the sync totals.
+
+    The totals (`sync_steps`, `stale_dropped`, `nonfinite_dropped`,
+    `barrier_wait_s`, `accepted_w<i>`, `stale_w<i>`) are read from the ps
+    when the logs are fetched: at the end of an epoch that is after `fit`'s
+    `join`, so they are exact, and a progress bar reads them when it waits
+    for the function. The function itself does not return them: outputs
+    that wait on the function's last push made it ~12-25 % slower on the w3
+    embedding (2 workers, `docs/performance.md`).
+    """
+
+    def __init__(self, logs, optimizer):
+        self._logs = logs
+        self._optimizer = optimizer
+
+    def _with_totals(self, logs, convert):
+        if not isinstance(logs, dict):
+            return logs
+        totals = callbacks.sync_totals(self._optimizer)
+        del totals["accepted"]  # not one of fit's keys
+        return dict(logs, **{k: convert(v) for k, v in totals.items()})
+
+    def fetch(self):
+        """The logs as NumPy values, once the function has run."""
+        return self._with_totals(self._logs.fetch(), lambda v: v)
+
+    def get(self):
+        """The logs as tensors, once the function has run."""
+        return self._with_totals(self._logs.get(), tf.constant)
