@@ -273,6 +273,7 @@ class Bench:
             for endpoint in endpoints[shift:] + endpoints[:shift]:
                 if endpoint.failed:
                     continue
+                cpu = self.registry.cpu_seconds()
                 try:
                     result = endpoint.run(
                         functions, self.s.k, self.s.timeout, window=window
@@ -287,8 +288,21 @@ class Bench:
                         "repeat": repeat,
                         **extra.get(endpoint.name, {}),
                         **result,
+                        **_cpu_per_example(
+                            self.registry.cpu_seconds() - cpu, result
+                        ),
                     }
                 )
 
     def close(self, endpoints):
         self.registry.stop({c for e in endpoints for c in e.children})
+
+
+def _cpu_per_example(cpu_s, result) -> dict:
+    """The run's CPU seconds (all the harness's processes, one system
+    running at a time) and CPU microseconds per example."""
+    examples = result.get("examples") or 0
+    record = {"cpu_s": round(cpu_s, 3)}
+    if examples and not result.get("window"):  # a window counts fewer
+        record["cpu_us_per_example"] = round(cpu_s / examples * 1e6, 2)
+    return record

@@ -100,6 +100,16 @@ def is_alive(pid: int, started: int | None) -> bool:
     return now is not None and now == started
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of `pid` (all its threads), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def memory_kb(pid: int) -> dict:
     """VmRSS, VmHWM (peak RSS), RssAnon and RssFile of `pid` in kB (/proc).
 
@@ -256,6 +266,15 @@ class Registry:
     def stop_all(self) -> None:
         """Ends every process started."""
         self.stop(self.children)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far by the started processes still running."""
+        used = (
+            cpu_seconds(c.pid)
+            for c in self.children
+            if is_alive(c.pid, c.started)
+        )
+        return sum(u for u in used if u is not None)
 
     def alive(self) -> list[dict]:
         """The records of started processes that still run."""

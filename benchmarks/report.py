@@ -220,6 +220,14 @@ def render(records, image_note) -> str:
     )
     lines += ["", "## Throughput (2 workers + 1 ps)", ""]
     lines += sections.systems_section(records)
+    lines += [
+        "CPU us / ex: the user + system CPU time of all the harness's "
+        "processes during a run (one system runs at a time), per example. "
+        "On a machine whose cores every process shares it moves less "
+        "between runs than examples/s. `fit`'s includes building its "
+        "per-worker input, once per run.",
+        "",
+    ]
     lines += sections.main_section(records) + [image_note, ""]
     for title, section in (
         ("Straggler", sections.straggler_section(records)),

@@ -57,6 +57,17 @@ def rates(records, scenario):
     return found
 
 
+def cpu_per_example(records, scenario):
+    """{(workload, system): [CPU microseconds per example of each run]}."""
+    found = {}
+    for r in runs(records, scenario):
+        if r.get("cpu_us_per_example") is not None:
+            found.setdefault((r["workload"], r["system"]), []).append(
+                r["cpu_us_per_example"]
+            )
+    return found
+
+
 def median(values):
     values = [v for v in values or [] if v is not None]
     return statistics.median(values) if values else None
@@ -83,6 +94,7 @@ def systems_section(records) -> list[str]:
 
 def main_section(records) -> list[str]:
     found = rates(records, "main")
+    cpu = cpu_per_example(records, "main")
     lines = []
     for workload in WORKLOADS:
         failed = [
@@ -109,12 +121,13 @@ def main_section(records) -> list[str]:
                     len(values),
                     fmt(ratio(mid, tf1), ".2f"),
                     fmt(ratio(mid, pss), ".2f"),
+                    fmt(median(cpu.get((workload, system))), ".1f"),
                 ]
             )
         for r in failed:
             rows.append([f"`{r['system']}`", "error", r["error"][:160], 0])
         header = ["system", "median ex/s", "min - max", "runs"]
-        header += ["vs tf1_sync", "vs pss_async"]
+        header += ["vs tf1_sync", "vs pss_async", "CPU us / ex"]
         lines += [f"### {workload}: {WORKLOAD_TEXT[workload]}", ""]
         lines += table(header, rows) + [""]
     return lines

@@ -102,6 +102,10 @@ class HarnessSmokeTest(absltest.TestCase):
         for r in runs:
             self.assertGreater(r["examples"], 0, r)
             self.assertGreater(r["seconds"], 0, r)
+            # CPU of the harness's processes during the run (/proc ticks:
+            # a short run may read 0).
+            self.assertGreaterEqual(r["cpu_us_per_example"], 0, r)
+        self.assertGreater(sum(r["cpu_s"] for r in runs), 0)
         printed = [
             json.loads(line)
             for line in proc.stdout.splitlines()
@@ -113,6 +117,7 @@ class HarnessSmokeTest(absltest.TestCase):
             markdown = f.read()
         self.assertIn("## Targets", markdown)
         self.assertIn("Smoke run: not a measurement.", markdown)
+        self.assertIn("| CPU us / ex |", markdown)
         for system in _SYSTEMS:
             self.assertIn(f"| `{system}` | ", markdown)
 
