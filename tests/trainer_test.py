@@ -218,9 +218,8 @@ class TrainerTest(parameterized.TestCase):
         unrolled = _trainer(parts, 4, use_tf_while_loop=False)
         history = unrolled.train(_dataset_fn, epochs=2, steps_per_epoch=8)
         # Repeated pushes call one ps function (the ps holds one copy per
-        # worker, not one per step); the first push and a loop's stay
-        # inline.
-        self.assertEqual(_push_calls(unrolled, parts[2]), 3)
+        # worker, not one per step); a loop's lone push stays inline.
+        self.assertEqual(_push_calls(unrolled, parts[2]), 4)
         self.assertEqual(_push_calls(rolled, rolled_optimizer), 0)
         self.assertEqual(history.history["sync_steps"], [4, 8])
         self.assertLess(
@@ -262,7 +261,7 @@ class TrainerTest(parameterized.TestCase):
         ]
         self.assertLen(pushes, 3)
         # The 2 steps after the loop, in the function's own graph.
-        self.assertEqual(_push_calls(grouped, parts[2]), 1)
+        self.assertEqual(_push_calls(grouped, parts[2]), 2)
 
     def test_default_loop_without_more_steps_than_a_group_is_unrolled(self):
         parts = _parts()

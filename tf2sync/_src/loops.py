@@ -11,12 +11,37 @@ groups when there are more steps than one group holds.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import tensorflow as tf
 
 # Copies of the step per loop iteration when the caller does not choose:
 # enough that the loop's per-iteration cost is small against ten steps', few
 # enough that tracing (ten times a step's) stays short.
 MAX_UNROLLED_STEPS = 10
+
+_TRACING = threading.local()
+
+
+def repeating() -> bool:
+    """Whether the step being traced is one of several copies in a graph.
+
+    True inside `repeat` with at least 2 copies per group. The aggregator
+    then makes every push a call of one ps function, so that the ps
+    instantiates it once per worker rather than once per copy.
+    """
+    return getattr(_TRACING, "repeating", False)
+
+
+@contextlib.contextmanager
+def _copies():
+    previous = repeating()
+    _TRACING.repeating = True
+    try:
+        yield
+    finally:
+        _TRACING.repeating = previous
 
 
 def repeat(step, steps: int, group: int, carry=None):
@@ -40,6 +65,11 @@ def repeat(step, steps: int, group: int, carry=None):
       The carry after the last step.
     """
     group = max(1, min(group, steps))
+    with _copies() if group > 1 else contextlib.nullcontext():
+        return _repeat(step, steps, group, carry)
+
+
+def _repeat(step, steps, group, carry):
     groups, rest = divmod(steps, group)
 
     def run_group(value):
