@@ -75,7 +75,8 @@ class Trainer:
             instead measured 1.4-1.7 x the steps per second on the w1 MLP
             (`docs/performance.md`), at the cost of tracing the step once
             per copy and of ps memory (on the w3 embedding, 10 copies grew
-            the ps by ~9 MB per worker, ~4.6 MB with one). None (the
+            the ps by ~5 MB per worker beyond stock PSS, ~3 MB with one).
+            None (the
             default): the step is repeated in groups of up to 10 copies,
             and a `tf.while_loop` runs the groups when `steps_per_loop` is
             larger (the rest follows unrolled). True: a `tf.while_loop` of

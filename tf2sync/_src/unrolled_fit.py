@@ -24,13 +24,13 @@ def unroll_fit_steps(model, enabled: bool = True):
     as `tf2sync.Trainer` does by default: up to 10 copies, and with a
     larger `steps_per_execution` a `tf.while_loop` runs groups of 10 and
     the rest follows unrolled. The same steps run in the same order. Two
-    more writes and reads of the ps are saved per step: `_train_counter`
-    counts a function's steps once they all succeeded, and the sync
-    counters (`sync_steps`, `stale_dropped`, ...) are read from the ps when
-    the logs are fetched (at the end of an epoch, after its `join`: exact)
-    rather than returned by every push. On the w1 MLP (2 workers + 1 ps, 2
-    cores) `fit` measured ~1.7 x the examples per second, and on the w3
-    embedding ~1.3 x (`docs/performance.md`).
+    per-step costs go too: `_train_counter` (a ps variable) counts a
+    function's steps once they all succeeded, and the sync counters
+    (`sync_steps`, `stale_dropped`, ...) are read from the ps when the logs
+    are fetched (at the end of an epoch, after its `join`: exact) rather
+    than returned by every push. On the w1 MLP (2 workers + 1 ps, 2 cores)
+    `fit` measured ~1.7 x the examples per second of tf_keras's loop, and
+    on the w3 embedding ~1.4 x (`docs/performance.md`).
 
     Under `tf2sync.SyncParameterServerStrategy`, `fit` does this by
     default (from its first call on the model), unless the model's class
@@ -40,7 +40,7 @@ def unroll_fit_steps(model, enabled: bool = True):
     does not. The cost of repeating: tracing takes up to 10 times longer (a
     ResNet-50 step: ~10 s instead of ~2 s to the first call), and the ps
     holds more of the step for each worker (the repeated pushes call one
-    function, the rest is copied per step: on the w3 embedding, ~7.6 MB
+    function, the rest is copied per step: on the w3 embedding, ~5 MB
     more per worker than stock PSS at 10 steps, ~3 MB in a loop).
 
     Only `fit` through a `ClusterCoordinator` changes: without one (no
