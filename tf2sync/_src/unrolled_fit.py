@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 import tensorflow as tf
@@ -70,7 +71,8 @@ def unroll_fit_steps(model, enabled: bool = True):
     unrolled = getattr(model, "_tf2sync_unrolled", None)
     if not enabled:
         if unrolled:
-            del model.make_train_function  # the class's method again
+            del model.make_train_function  # the class's methods again
+            del model._validate_and_get_metrics_result
             model.train_function = None
         model._tf2sync_unrolled = False
         return model
@@ -103,6 +105,7 @@ def unroll_fit_steps(model, enabled: bool = True):
         return schedule
 
     model.make_train_function = make_train_function
+    model._validate_and_get_metrics_result = _exact_epoch_logs(model)
     model.train_function = None  # made again, repeating its steps
     model._tf2sync_unrolled = True
     return model
@@ -183,6 +186,44 @@ def _steps_of_call(model):
             break
         frame = frame.f_back
     return int(model._steps_per_execution.numpy())
+
+
+def _is_sync_key(key) -> bool:
+    """Whether `key` is one of the sync counters `_WithSyncTotals` adds."""
+    return key in _SYNC_KEYS or bool(
+        re.fullmatch(r"(accepted|stale)_w\d+", key)
+    )
+
+
+_SYNC_KEYS = (
+    "sync_steps",
+    "stale_dropped",
+    "nonfinite_dropped",
+    "barrier_wait_s",
+)
+
+
+def _exact_epoch_logs(model):
+    """tf_keras's end-of-epoch check of the logs, blind to the sync counters.
+
+    Under a ClusterCoordinator, tf_keras replaces an epoch's logs with the
+    model's metrics read after the epoch's `join` (exact) only when the logs
+    hold exactly the metrics' keys; otherwise it warns ("Could not get Model
+    metric results") and keeps the last function's logs. The sync counters
+    are exact already, so they are set aside for the check and put back.
+    """
+    keras_validate = model._validate_and_get_metrics_result
+
+    def validate(logs):
+        if not isinstance(logs, dict):
+            return keras_validate(logs)
+        sync = {k: v for k, v in logs.items() if _is_sync_key(k)}
+        result = keras_validate(
+            {k: v for k, v in logs.items() if k not in sync}
+        )
+        return dict(result, **sync) if isinstance(result, dict) else result
+
+    return validate
 
 
 def _sync_optimizer(model):
