@@ -48,11 +48,12 @@ class SyncMetrics(tf_keras.callbacks.Callback):
     `sync_steps`, `stale_dropped`, `nonfinite_dropped` and `barrier_wait_s`
     to its logs. By default (`fit` repeating its steps) they are read from
     the parameter servers when the logs are fetched, after the epoch's
-    `join`: exact (and the epoch's metrics are tf_keras's exact ones). With tf_keras's loop (`unroll_fit_steps(model, False)`)
-    they are as the last scheduled step read them; pushes of other workers
-    still in flight then may be missing. This callback reads the parameter
-    servers after the epoch's `join` and overwrites them with exact values
-    either way, and adds per-epoch figures:
+    `join`: exact (and the epoch's metrics are tf_keras's exact ones).
+    With tf_keras's loop (`unroll_fit_steps(model, False)`) they are as the
+    last scheduled step read them; pushes of other workers still in flight
+    then may be missing. This callback reads the parameter servers after
+    the epoch's `join` and overwrites them with exact values either way,
+    and adds per-epoch figures:
 
     * `stale_dropped_epoch`, `nonfinite_dropped_epoch`: dropped this epoch;
     * `sync_steps_per_s`: synchronous updates per second of the epoch;
