@@ -240,10 +240,9 @@ class _WithSyncTotals(tf.distribute.experimental.coordinator.RemoteValue):
     The totals (`sync_steps`, `stale_dropped`, `nonfinite_dropped`,
     `barrier_wait_s`, `accepted_w<i>`, `stale_w<i>`) are read from the ps
     when the logs are fetched: at the end of an epoch that is after `fit`'s
-    `join`, so they are exact, and a progress bar reads them when it waits
-    for the function. The function itself does not return them: outputs
-    that wait on the function's last push made it ~12-25 % slower on the w3
-    embedding (2 workers, `docs/performance.md`).
+    `join`, so they are exact, and a progress bar (`verbose=1`) reads them
+    once it has waited for the function. The function itself does not
+    return them, so its pushes read nothing for the logs.
     """
 
     def __init__(self, logs, optimizer):
