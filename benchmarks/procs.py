@@ -81,17 +81,20 @@ def wait_for_port(address: str, timeout: float) -> None:
             time.sleep(0.1)
 
 
-def start_time(pid: int) -> int | None:
-    """The start time of `pid` (clock ticks since boot), None if gone."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command, None if `pid` ended."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
+            fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] == "Z":
-        return None  # a zombie: it has ended
-    return int(fields[19])
+    return None if fields[0] == "Z" else fields  # a zombie has ended
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of `pid` (clock ticks since boot), None if gone."""
+    fields = _stat(pid)
+    return None if fields is None else int(fields[19])
 
 
 def is_alive(pid: int, started: int | None) -> bool:
@@ -100,13 +103,12 @@ def is_alive(pid: int, started: int | None) -> bool:
     return now is not None and now == started
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of `pid` (all its threads), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
+def cpu_seconds(pid: int, started: int | None) -> float:
+    """User + system CPU seconds of the process `pid` that started at
+    `started` (all its threads); 0 if it has ended."""
+    fields = _stat(pid)
+    if fields is None or int(fields[19]) != started:
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -269,12 +271,7 @@ class Registry:
 
     def cpu_seconds(self) -> float:
         """CPU seconds used so far by the started processes still running."""
-        used = (
-            cpu_seconds(c.pid)
-            for c in self.children
-            if is_alive(c.pid, c.started)
-        )
-        return sum(u for u in used if u is not None)
+        return sum(cpu_seconds(c.pid, c.started) for c in self.children)
 
     def alive(self) -> list[dict]:
         """The records of started processes that still run."""

@@ -47,24 +47,12 @@ def runs(records, scenario):
     ]
 
 
-def rates(records, scenario):
-    """{(workload, system): [examples/s of each run]}."""
+def rates(records, scenario, field="examples_per_sec"):
+    """{(workload, system): [`field` of each run that has it]}."""
     found = {}
     for r in runs(records, scenario):
-        found.setdefault((r["workload"], r["system"]), []).append(
-            r["examples_per_sec"]
-        )
-    return found
-
-
-def cpu_per_example(records, scenario):
-    """{(workload, system): [CPU microseconds per example of each run]}."""
-    found = {}
-    for r in runs(records, scenario):
-        if r.get("cpu_us_per_example") is not None:
-            found.setdefault((r["workload"], r["system"]), []).append(
-                r["cpu_us_per_example"]
-            )
+        if r.get(field) is not None:
+            found.setdefault((r["workload"], r["system"]), []).append(r[field])
     return found
 
 
@@ -94,7 +82,7 @@ def systems_section(records) -> list[str]:
 
 def main_section(records) -> list[str]:
     found = rates(records, "main")
-    cpu = cpu_per_example(records, "main")
+    cpu = rates(records, "main", "cpu_us_per_example")
     lines = []
     for workload in WORKLOADS:
         failed = [

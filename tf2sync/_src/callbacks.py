@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import tf_keras
@@ -39,6 +40,16 @@ def sync_totals(optimizer) -> dict:
         totals[f"accepted_w{i}"] = int(accepted[i])
         totals[f"stale_w{i}"] = int(stale[i])
     return totals
+
+
+def is_sync_total(key: str) -> bool:
+    """Whether `key` is one of `sync_totals`' keys (`accepted` aside)."""
+    return key in (
+        "sync_steps",
+        "stale_dropped",
+        "nonfinite_dropped",
+        "barrier_wait_s",
+    ) or bool(re.fullmatch(r"(accepted|stale)_w\d+", key))
 
 
 class SyncMetrics(tf_keras.callbacks.Callback):

@@ -76,13 +76,13 @@ class Trainer:
             (`docs/performance.md`), at the cost of tracing the step once
             per copy and of ps memory (on the w3 embedding, 10 copies grew
             the ps by ~5 MB per worker beyond stock PSS, ~3 MB with one).
-            None (the
-            default): the step is repeated in groups of up to 10 copies,
-            and a `tf.while_loop` runs the groups when `steps_per_loop` is
-            larger (the rest follows unrolled). True: a `tf.while_loop` of
-            single steps, as Orbit's `StandardTrainer` (for large models,
-            where tracing time counts and the loop's cost does not). False:
-            all `steps_per_loop` steps repeated in the graph.
+            None (the default): the step is repeated in groups of up to
+            10 copies, and a `tf.while_loop` runs the groups when
+            `steps_per_loop` is larger (the rest follows unrolled). True:
+            a `tf.while_loop` of single steps, as Orbit's `StandardTrainer`
+            (for large models, where tracing time counts and the loop's
+            cost does not). False: all `steps_per_loop` steps repeated in
+            the graph.
           checkpoint_dir: Where to save and resume; None: no checkpoints.
           max_to_keep: Checkpoints kept.
           callbacks: `tf.keras.callbacks.Callback`s.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 
 import tensorflow as tf
@@ -87,6 +86,7 @@ def unroll_fit_steps(model, enabled: bool = True):
         if coordinator is None:
             return keras_make(force=force)
         functions = {}
+        sync = _sync_optimizer(model)  # compile makes a new train function
 
         def schedule(iterator):
             # One function per value, as fit's data handler counts them.
@@ -97,7 +97,6 @@ def unroll_fit_steps(model, enabled: bool = True):
                 functions[steps] = function
                 model.train_tf_function = function  # TensorBoard's graph
             logs = coordinator.schedule(function, args=(iterator,))
-            sync = _sync_optimizer(model)
             return logs if sync is None else _WithSyncTotals(logs, sync)
 
         schedule.functions = functions  # by steps (not tracked by Keras)
@@ -188,21 +187,6 @@ def _steps_of_call(model):
     return int(model._steps_per_execution.numpy())
 
 
-def _is_sync_key(key) -> bool:
-    """Whether `key` is one of the sync counters `_WithSyncTotals` adds."""
-    return key in _SYNC_KEYS or bool(
-        re.fullmatch(r"(accepted|stale)_w\d+", key)
-    )
-
-
-_SYNC_KEYS = (
-    "sync_steps",
-    "stale_dropped",
-    "nonfinite_dropped",
-    "barrier_wait_s",
-)
-
-
 def _exact_epoch_logs(model):
     """tf_keras's end-of-epoch check of the logs, blind to the sync counters.
 
@@ -217,7 +201,7 @@ def _exact_epoch_logs(model):
     def validate(logs):
         if not isinstance(logs, dict):
             return keras_validate(logs)
-        sync = {k: v for k, v in logs.items() if _is_sync_key(k)}
+        sync = {k: v for k, v in logs.items() if callbacks.is_sync_total(k)}
         result = keras_validate(
             {k: v for k, v in logs.items() if k not in sync}
         )
