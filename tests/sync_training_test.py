@@ -150,6 +150,68 @@ class PackedReadTest(absltest.TestCase):
         self.assertLen(splits[0].outputs, 4)
 
 
+class TagOrderTest(absltest.TestCase):
+    def test_reads_follow_the_tag_and_pure_ops_do_not_wait_for_it(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        x, _ = testutil.data("sparse", 8)
+        y = tf.constant(testutil.data("sparse", 8)[1])
+        with strategy.scope():
+            model = testutil.sparse_model()
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+
+        def replica(x):
+            with tf.GradientTape() as tape:
+                loss = testutil.mean_loss(y, model(x))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        graph = (
+            tf.function(lambda x: strategy.run(replica, args=(x,)))
+            .get_concrete_function(tf.constant(x))
+            .graph
+        )
+        ops = graph.get_operations()
+        (dequeue,) = [op for op in ops if op.type == "QueueDequeueV2"]
+
+        def ancestors(op):
+            seen, stack = set(), [op]
+            while stack:
+                current = stack.pop()
+                for parent in [t.op for t in current.inputs] + list(
+                    current.control_inputs
+                ):
+                    if parent not in seen:
+                        seen.add(parent)
+                        stack.append(parent)
+            return seen
+
+        reads = [
+            op for op in ops if op.type in ("ReadVariableOp", "ResourceGather")
+        ]
+        self.assertNotEmpty([op for op in reads if op.type == "ResourceGather"])
+        # Every variable read of the step, the embedding's gather included,
+        # waits for the token (and the tag read after it).
+        for op in reads:
+            self.assertIn(dequeue, ancestors(op), op.name)
+        # A pure op (stateless, no resource input) has no control edge from
+        # the tag: on the worker each such edge is a transfer from the ps.
+        # The tag: the Identity of the step-counter read that follows the
+        # token, on which the step's reads wait.
+        tags = {c for op in reads for c in op.control_inputs}
+        tags = {
+            t for t in tags if t.type == "Identity" and dequeue in ancestors(t)
+        }
+        self.assertLen(tags, 1)
+        waiting = [
+            op.name
+            for op in ops
+            if tags & set(op.control_inputs)
+            and not op._is_stateful
+            and not any(t.dtype == tf.resource for t in op.inputs)
+        ]
+        self.assertEqual(waiting, [])
+
+
 class WireTest(absltest.TestCase):
     def test_a_push_crosses_as_one_tensor_and_arrives_exact(self):
         from tf2sync._src import aggregation

@@ -169,6 +169,30 @@ class _PackedReads:
                 var._cache.op._update_input(0, piece)
 
 
+def _order_only_reads_after(tag, operations):
+    """Orders the step's reads and stateful ops, and only them, after its tag.
+
+    The step is traced under a control dependency on its tag, but TF adds
+    it only to ops none of whose inputs were made in the same scope: an
+    embedding's gather, say, follows the tag only through the cast of its
+    ids. Here every op of the step that takes a resource (a variable read,
+    a gather, a call) or is stateful gets the tag as a control input of its
+    own, and every pure op (stateless, no resource input) loses it: a pure
+    op computes the same value whenever it runs, so that dependency only
+    delayed it, and for ops on the worker it cost a transfer from the ps
+    per step (w1 and w3, in-process: 7-18 % more examples per second
+    without it).
+    """
+    for op in operations:
+        control = op.control_inputs
+        if op._is_stateful or any(t.dtype == tf.resource for t in op.inputs):
+            if tag.op not in control:
+                op._add_control_inputs([tag.op])
+        elif tag.op in control:
+            op._remove_all_control_inputs()
+            op._add_control_inputs([c for c in control if c is not tag.op])
+
+
 class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
     """Passes each scheduled function the index of the worker running it.
 
@@ -543,7 +567,10 @@ class SyncParameterServerStrategy(
                 with _PackedReads(variables, tag):
                     return fn(*a, **k)
 
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
         result = super().run(step_fn, args=args, kwargs=kwargs, options=options)
+        _order_only_reads_after(tag, graph.get_operations()[first:])
         if (
             step.pushed
             and step.want_stats
