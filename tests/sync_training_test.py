@@ -212,6 +212,53 @@ class TagOrderTest(absltest.TestCase):
         self.assertEqual(waiting, [])
 
 
+class PackedLookupTest(absltest.TestCase):
+    def test_embedding_rows_travel_with_the_dense_reads(self):
+        # The sparse model reads its dense kernel and bias and gathers
+        # embedding rows: one concatenation on the ps carries all three,
+        # and the gather's rows have no other use (no transfer of their
+        # own). The equivalence tests check the values.
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        _, y = testutil.data("sparse", 8)
+        with strategy.scope():
+            model = testutil.sparse_model()
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+
+        def replica(x):
+            with tf.GradientTape() as tape:
+                loss = testutil.mean_loss(y, model(x))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        graph = (
+            tf.function(lambda x: strategy.run(replica, args=(x,)))
+            .get_concrete_function(tf.TensorSpec([None, 5], tf.int64))
+            .graph
+        )
+        ops = graph.get_operations()
+        (gather,) = [
+            op
+            for op in ops
+            if op.type == "ResourceGather" and "/job:ps" not in op.device
+        ]
+        (flat,) = gather.outputs[0].consumers()
+        (concat,) = flat.outputs[0].consumers()
+        self.assertEqual(concat.type, "ConcatV2")
+        self.assertIn("/job:ps/", concat.device)
+        self.assertLen(concat.inputs, 3 + 1)  # kernel, bias, rows; axis
+        (split,) = concat.outputs[0].consumers()
+        self.assertEqual(split.type, "SplitV")
+        self.assertLen(split.outputs, 3)
+        # The rows keep their static shape on the worker: [batch, 5, 4].
+        (rows,) = [
+            op.outputs[0]
+            for op in ops
+            if op.type == "Reshape"
+            and any(t is split.outputs[2] for t in op.inputs)
+        ]
+        self.assertEqual(rows.shape.as_list(), [None, 5, 4])
+
+
 class WireTest(absltest.TestCase):
     def test_a_push_crosses_as_one_tensor_and_arrives_exact(self):
         from tf2sync._src import aggregation
