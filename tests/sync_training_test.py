@@ -259,6 +259,46 @@ class PackedLookupTest(absltest.TestCase):
         self.assertEqual(rows.shape.as_list(), [None, 5, 4])
 
 
+class PushInputsTest(absltest.TestCase):
+    def test_the_lock_waits_only_for_ps_side_copies_of_the_inputs(self):
+        # The critical section locks once every input of its body exists;
+        # each control edge from a worker tensor would be a second transfer
+        # to the ps besides the data's.
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        x, y = testutil.data("sparse", 8)
+        with strategy.scope():
+            model = testutil.sparse_model()
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+
+        def replica():
+            with tf.GradientTape() as tape:
+                loss = testutil.mean_loss(y, model(x))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        graph = (
+            tf.function(lambda: strategy.run(replica))
+            .get_concrete_function()
+            .graph
+        )
+        (lock,) = [
+            op for op in graph.get_operations() if op.type == "MutexLock"
+        ]
+        # The lock waits on groups (NoOps, one per device) of the inputs.
+        waits, stack = [], list(lock.control_inputs)
+        while stack:
+            op = stack.pop()
+            if op.type == "NoOp":
+                stack += list(op.control_inputs) + [t.op for t in op.inputs]
+            elif not (
+                op.type == "Placeholder" and op.outputs[0].dtype == tf.resource
+            ):  # a captured handle: an argument where its resource lives
+                waits.append(op)
+        self.assertNotEmpty(waits)
+        for op in waits:
+            self.assertIn("/job:ps/", op.device, op.name)
+
+
 class WireTest(absltest.TestCase):
     def test_a_push_crosses_as_one_tensor_and_arrives_exact(self):
         from tf2sync._src import aggregation

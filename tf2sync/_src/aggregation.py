@@ -343,7 +343,7 @@ class Aggregator:
             for g in (by_key[_key(s.variable)] for s in layout.sparse)
         ]
         wire = _Wire(self.device, layout, packed, sparse, worker)
-        inputs = {"tag": tag, **wire.inputs()}
+        inputs = _on_device(self.device, {"tag": tag, **wire.inputs()})
         function = self._repeated_push_function(
             wire, inputs, check_finite, stats
         )
@@ -614,6 +614,21 @@ class Aggregator:
             )
         with tf.control_dependencies([release]):
             return tf.constant(True)
+
+
+def _on_device(device, inputs):
+    """`inputs`, each received on `device` once, before the push.
+
+    The critical section locks only after every input of its body has been
+    computed: a control edge from each. From a tensor on the worker, that
+    edge is a second transfer to the ps besides the data's own; from a copy
+    already on the ps it is local (w3 in-process: one transfer fewer per
+    step).
+    """
+    with tf.device(device):
+        return tf.nest.map_structure(
+            lambda t: None if t is None else tf.identity(t), inputs
+        )
 
 
 def _after(ops, value):
