@@ -159,7 +159,7 @@ class _PackedReads:
         for var, gather in self._gathers(graph):
             key = (var._v.device, var.dtype.base_dtype)
             gathers.setdefault(key, []).append((var, gather))
-        for key in set(groups) | set(gathers):
+        for key in list(groups) + [k for k in gathers if k not in groups]:
             group = groups.get(key, [])
             lookups = gathers.get(key, [])
             if len(group) + len(lookups) < 2:
