@@ -47,15 +47,24 @@ class EquivalenceTest(parameterized.TestCase):
         ("sparse_momentum", "sparse", "momentum"),
         ("sparse_adam", "sparse", "adam"),
         ("sparse_legacy_momentum", "sparse", "legacy_momentum"),
+        # Variables on both ps: reads, lookups and pushes split by ps.
+        ("sparse_momentum_2ps", "sparse", "momentum", 2),
     )
-    def test_n_workers_at_b_equal_one_process_at_nb(self, kind, opt_name):
+    def test_n_workers_at_b_equal_one_process_at_nb(
+        self, kind, opt_name, num_ps=1
+    ):
         num_workers, batch, rounds = 2, 8, 4
         model_fn = getattr(testutil, f"{kind}_model")
-        strategy = testutil.strategy(num_workers, replicas_to_aggregate=2)
+        strategy = testutil.strategy(
+            num_workers, num_ps, replicas_to_aggregate=2
+        )
         with strategy.scope():
             model = model_fn()
             opt = tf2sync.SyncOptimizer(OPTIMIZERS[opt_name]())
             opt.build(model.trainable_variables)
+        if num_ps > 1:
+            devices = {v.device for v in model.trainable_variables}
+            self.assertLen({d.split("/device")[0] for d in devices}, 2)
         x, y = testutil.data(kind, num_workers * batch * rounds)
         loop = testutil.Loop(strategy, model, opt)
         global_batches = []

@@ -343,7 +343,7 @@ class Aggregator:
             for g in (by_key[_key(s.variable)] for s in layout.sparse)
         ]
         wire = _Wire(self.device, layout, packed, sparse, worker)
-        inputs = _on_device(self.device, {"tag": tag, **wire.inputs()})
+        inputs = self._received({"tag": tag, **wire.inputs()})
         function = self._repeated_push_function(
             wire, inputs, check_finite, stats
         )
@@ -353,6 +353,39 @@ class Aggregator:
             return self._cs.execute(
                 lambda: self._push_body(wire, inputs, check_finite, stats)
             )
+
+    def _received(self, inputs):
+        """`inputs`, each copied onto the ps that uses it, before the push.
+
+        The critical section locks only after every input of its body has
+        been computed: a control edge from each. From a tensor on the
+        worker, that edge is a second transfer besides the data's own; from
+        a copy already on a ps it is not (w3 in-process: one transfer fewer
+        per step, and 1.12-1.14 x examples/s on w1). Each copy sits where
+        its data is used: the wire and the worker index on the critical
+        section's ps, other gradients on their variables' ps.
+        """
+        layout = self._layout
+
+        def copy(value, device):
+            if value is None:
+                return None
+            with tf.device(device):
+                return tf.nest.map_structure(tf.identity, value)
+
+        return {
+            "tag": inputs["tag"],  # read on this ps
+            "tensor": copy(inputs["tensor"], self.device),
+            "packed": [
+                copy(p, g.device)
+                for p, g in zip(inputs["packed"], layout.dense)
+            ],
+            "sparse": [
+                copy(p, slot.variable.device)
+                for p, slot in zip(inputs["sparse"], layout.sparse)
+            ],
+            "worker": copy(inputs["worker"], self.device),
+        }
 
     def _repeated_push_function(self, wire, inputs, check_finite, stats):
         """The push as one function of the ps, where the step repeats.
@@ -614,21 +647,6 @@ class Aggregator:
             )
         with tf.control_dependencies([release]):
             return tf.constant(True)
-
-
-def _on_device(device, inputs):
-    """`inputs`, each received on `device` once, before the push.
-
-    The critical section locks only after every input of its body has been
-    computed: a control edge from each. From a tensor on the worker, that
-    edge is a second transfer to the ps besides the data's own; from a copy
-    already on the ps it is local (w3 in-process: one transfer fewer per
-    step).
-    """
-    with tf.device(device):
-        return tf.nest.map_structure(
-            lambda t: None if t is None else tf.identity(t), inputs
-        )
 
 
 def _after(ops, value):
