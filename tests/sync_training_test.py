@@ -128,28 +128,31 @@ class EquivalenceTest(parameterized.TestCase):
         )
 
 
+def _traced_step(kind, x_spec=None):
+    """The graph of one synchronous step of the `kind` test model (SGD)."""
+    strategy = testutil.strategy(2, replicas_to_aggregate=2)
+    x, y = testutil.data(kind, 8)
+    with strategy.scope():
+        model = getattr(testutil, f"{kind}_model")()
+        opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+
+    def replica(x):
+        with tf.GradientTape() as tape:
+            loss = testutil.mean_loss(y, model(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    function = tf.function(lambda x: strategy.run(replica, args=(x,)))
+    spec = tf.constant(x) if x_spec is None else x_spec
+    return function.get_concrete_function(spec).graph
+
+
 class PackedReadTest(absltest.TestCase):
     def test_a_step_reads_its_dense_variables_as_one_tensor_per_ps(self):
         # Four variables on one ps: one concatenation there, split on the
         # worker into the four values the layers use (the equivalence tests
         # above check the values).
-        strategy = testutil.strategy(2, replicas_to_aggregate=2)
-        x, y = testutil.data("dense", 8)
-        with strategy.scope():
-            model = testutil.dense_model()
-            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
-
-        def replica():
-            with tf.GradientTape() as tape:
-                loss = testutil.mean_loss(y, model(x))
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-
-        graph = (
-            tf.function(lambda: strategy.run(replica))
-            .get_concrete_function()
-            .graph
-        )
+        graph = _traced_step("dense")
         splits = [op for op in graph.get_operations() if op.type == "SplitV"]
         self.assertLen(splits, 1)
         concat = splits[0].inputs[0].op
@@ -161,24 +164,7 @@ class PackedReadTest(absltest.TestCase):
 
 class TagOrderTest(absltest.TestCase):
     def test_reads_follow_the_tag_and_pure_ops_do_not_wait_for_it(self):
-        strategy = testutil.strategy(2, replicas_to_aggregate=2)
-        x, _ = testutil.data("sparse", 8)
-        y = tf.constant(testutil.data("sparse", 8)[1])
-        with strategy.scope():
-            model = testutil.sparse_model()
-            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
-
-        def replica(x):
-            with tf.GradientTape() as tape:
-                loss = testutil.mean_loss(y, model(x))
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-
-        graph = (
-            tf.function(lambda x: strategy.run(replica, args=(x,)))
-            .get_concrete_function(tf.constant(x))
-            .graph
-        )
+        graph = _traced_step("sparse")
         ops = graph.get_operations()
         (dequeue,) = [op for op in ops if op.type == "QueueDequeueV2"]
 
@@ -227,23 +213,7 @@ class PackedLookupTest(absltest.TestCase):
         # embedding rows: one concatenation on the ps carries all three,
         # and the gather's rows have no other use (no transfer of their
         # own). The equivalence tests check the values.
-        strategy = testutil.strategy(2, replicas_to_aggregate=2)
-        _, y = testutil.data("sparse", 8)
-        with strategy.scope():
-            model = testutil.sparse_model()
-            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
-
-        def replica(x):
-            with tf.GradientTape() as tape:
-                loss = testutil.mean_loss(y, model(x))
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-
-        graph = (
-            tf.function(lambda x: strategy.run(replica, args=(x,)))
-            .get_concrete_function(tf.TensorSpec([None, 5], tf.int64))
-            .graph
-        )
+        graph = _traced_step("sparse", tf.TensorSpec([None, 5], tf.int64))
         ops = graph.get_operations()
         (gather,) = [
             op
@@ -273,23 +243,7 @@ class PushInputsTest(absltest.TestCase):
         # The critical section locks once every input of its body exists;
         # each control edge from a worker tensor would be a second transfer
         # to the ps besides the data's.
-        strategy = testutil.strategy(2, replicas_to_aggregate=2)
-        x, y = testutil.data("sparse", 8)
-        with strategy.scope():
-            model = testutil.sparse_model()
-            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
-
-        def replica():
-            with tf.GradientTape() as tape:
-                loss = testutil.mean_loss(y, model(x))
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-
-        graph = (
-            tf.function(lambda: strategy.run(replica))
-            .get_concrete_function()
-            .graph
-        )
+        graph = _traced_step("sparse")
         (lock,) = [
             op for op in graph.get_operations() if op.type == "MutexLock"
         ]
