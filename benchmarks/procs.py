@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import gc
 import json
 import os
 import queue
@@ -341,6 +342,12 @@ def serve(handlers: dict, ready: dict | None = None) -> None:
         op = command.pop("op")
         if op == "exit":
             break
+        if op == "run":
+            # What the previous system left for the garbage collector
+            # (tf_keras's `fit` leaves a lot) is collected now, not inside
+            # the timed window, where it held the GIL while the workers
+            # waited for their next function.
+            gc.collect()
         try:
             reply(handlers[op](**command))
         except Exception as e:  # noqa: BLE001 - sent back to the harness

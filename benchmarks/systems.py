@@ -16,6 +16,7 @@ applied step.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -26,6 +27,7 @@ import workloads  # noqa: E402
 
 import tf2sync  # noqa: E402
 from tf2sync._src import loops  # noqa: E402
+from tf2sync._src.callbacks import sync_totals  # noqa: E402
 
 WARMUP_FUNCTIONS = 4
 _POLL_SECONDS = 0.02
@@ -170,6 +172,18 @@ class LoopRunner:
     def _stale(self):
         return int(self.opt.stale_dropped.numpy()) if self.sync else 0
 
+    def _per_worker(self):
+        """Gradients accepted from each worker so far (sync only)."""
+        if not self.sync:
+            return []
+        totals = sync_totals(self.opt)
+        return [
+            totals[f"accepted_w{i}"]
+            for i in range(
+                len([k for k in totals if k.startswith("accepted_w")])
+            )
+        ]
+
     def run(self, functions, window=False):
         """Times `functions` scheduled functions.
 
@@ -179,6 +193,7 @@ class LoopRunner:
         """
         grads0, steps0 = self._counts()
         stale0 = self._stale()
+        per_worker0 = self._per_worker()
         samples = []
         start = time.perf_counter()
         for _ in range(functions):
@@ -193,6 +208,9 @@ class LoopRunner:
         if self.sync:
             extra["pushes"] = functions * self.k
             extra["stale_dropped"] = self._stale() - stale0
+            extra["accepted_per_worker"] = [
+                b - a for a, b in zip(per_worker0, self._per_worker())
+            ]
         examples = (grads1 - grads0) * self.batch
         if window:
             windowed = _window(samples, grads0, grads1)
@@ -212,6 +230,11 @@ def _window(samples, first, last):
     if a is None or b is None or b[0] <= a[0] or b[1] <= a[1]:
         return None
     return b[0] - a[0], b[1] - a[1]
+
+
+@tf.function
+def _nothing():
+    return tf.constant(0)
 
 
 def _sleep(seconds):
@@ -276,4 +299,20 @@ class FitRunner:
         )
         grads = self._count() - before
         steps = int(self.opt.iterations.numpy()) - steps0
+        self._settle()
         return _result(grads * self.batch, timer.seconds, steps=steps)
+
+    def _settle(self):
+        """Deletes this `fit`'s per-worker iterators now, untimed.
+
+        They become garbage when `fit` returns, and their deletion runs on
+        each worker's queue of remote work, ahead of the functions of
+        whatever runs next on the same cluster: a custom loop timed right
+        after `fit` took up to 1.5 x its usual time with its usual CPU.
+        """
+        gc.collect()
+        coordinator = self.model._cluster_coordinator
+        if coordinator is not None:
+            for _ in coordinator._cluster.workers:
+                coordinator.schedule(_nothing)
+            coordinator.join()
