@@ -312,6 +312,7 @@ class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
             dataset_fn = _single_pipeline(dataset_fn)
         model = _fitting_model()
         if model is not None:
+            _check_not_jit_compiled(model)
             # fit makes its train function next: repeat its steps.
             unrolled_fit.repeat_by_default(model)
         return super().create_per_worker_dataset(dataset_fn)
@@ -381,6 +382,25 @@ def _for_exact_evaluation() -> bool:
     """
     handler = _caller_of_type("_ClusterCoordinatorExactEvalDataHandler")
     return handler is not None
+
+
+def _check_not_jit_compiled(model):
+    """Refuses `jit_compile=True` before `fit` or `evaluate` runs a step.
+
+    XLA cannot read variables that live on another device, and under a
+    ParameterServerStrategy every variable lives on a ps: stock PSS fails
+    inside its first step ("Trying to access resource ... located in device
+    /job:ps"), and tf2sync's push would fail earlier with an error about
+    `merge_call`. Neither names the setting to change.
+    """
+    if getattr(model, "jit_compile", None):
+        raise ValueError(
+            "`jit_compile=True` cannot run under "
+            "tf2sync.SyncParameterServerStrategy: XLA cannot read variables "
+            "on the parameter servers, where all of them live. Compile the "
+            "model with jit_compile=False. Received: "
+            f"jit_compile={model.jit_compile!r}"
+        )
 
 
 def _fitting_model():

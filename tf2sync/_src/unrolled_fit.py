@@ -20,7 +20,8 @@ def unroll_fit_steps(model, enabled: bool = True):
     loop. The loop's body runs on the worker and on the ps, so every
     iteration sends the loop's control to the ps on top of the step's own
     transfers. Repeating the step instead, each scheduled function runs
-    tf_keras's own `train_step` (with `jit_compile` if set) in its graph,
+    tf_keras's own `train_step` in its graph (`jit_compile=True` is refused:
+    XLA cannot read variables on the parameter servers),
     as `tf2sync.Trainer` does by default: up to 10 copies, and with a
     larger `steps_per_execution` a `tf.while_loop` runs groups of 10 and
     the rest follows unrolled. The same steps run in the same order. Two
