@@ -402,15 +402,8 @@ class ConfigErrorTest(parameterized.TestCase):
             model.compile(
                 optimizer=tf.keras.optimizers.SGD(0.1), loss=testutil.LOSS
             )
-        before = model.get_weights()
-        x, y = testutil.data("dense", 16)
-        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
-        with self.assertRaisesRegex(
-            TypeError, r"would train asynchronously. Wrap it"
-        ):
-            model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
-        self.assertEqual(
-            testutil.max_abs_diff(model.get_weights(), before), 0.0
+        testutil.assert_fit_refused(
+            self, model, TypeError, r"would train asynchronously. Wrap it"
         )
 
     def test_sync_optimizer_under_plain_pss_is_refused(self):

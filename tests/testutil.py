@@ -88,6 +88,16 @@ def max_abs_diff(a_weights, b_weights):
     )
 
 
+def assert_fit_refused(test, model, error, regex):
+    """`model.fit` raises `error` before any step: weights are unchanged."""
+    before = model.get_weights()
+    x, y = data("dense", 16)
+    ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+    with test.assertRaisesRegex(error, regex):
+        model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+    test.assertEqual(max_abs_diff(model.get_weights(), before), 0.0)
+
+
 class Loop:
     """A custom loop: one replica step per scheduled function.
 
