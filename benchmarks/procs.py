@@ -344,9 +344,9 @@ def serve(handlers: dict, ready: dict | None = None) -> None:
             break
         if op == "run":
             # What the previous system left for the garbage collector
-            # (tf_keras's `fit` leaves a lot) is collected now, not inside
-            # the timed window, where it held the GIL while the workers
-            # waited for their next function.
+            # (tf_keras's `fit` leaves a lot) is collected now, outside the
+            # timed window. (The idle runs after `fit` needed more: see
+            # systems.FitRunner._settle.)
             gc.collect()
         try:
             reply(handlers[op](**command))

@@ -176,13 +176,8 @@ class LoopRunner:
         """Gradients accepted from each worker so far (sync only)."""
         if not self.sync:
             return []
-        totals = sync_totals(self.opt)
-        return [
-            totals[f"accepted_w{i}"]
-            for i in range(
-                len([k for k in totals if k.startswith("accepted_w")])
-            )
-        ]
+        totals = sync_totals(self.opt)  # accepted_w0, accepted_w1, ...
+        return [v for k, v in totals.items() if k.startswith("accepted_w")]
 
     def run(self, functions, window=False):
         """Times `functions` scheduled functions.

@@ -110,9 +110,9 @@ class _PackedReads:
     `fit`). A lookup whose rows are also used on a ps keeps its own.
     """
 
-    def __init__(self, variables, tag):
+    def __init__(self, variables, first_op):
         self._variables = variables
-        self._tag = tag
+        self._first_op = first_op  # where the step's ops start in the graph
         self._scope = None
 
     def __enter__(self):
@@ -121,7 +121,6 @@ class _PackedReads:
             return self  # already caching (nesting is not supported)
         self._scope = distribute_utils.cache_variable_reads()
         self._scope.__enter__()
-        self._first_op = len(tf.compat.v1.get_default_graph().get_operations())
         self._candidates = list(self._variables.values())
         for var in self._candidates:
             var._cache = None
@@ -660,14 +659,14 @@ class SyncParameterServerStrategy(
         step = StepContext(tag, current_worker(), _is_keras_train_step(fn))
 
         variables = self._extended._tf2sync_variables
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
 
         def step_fn(*a, **k):
             with tf.control_dependencies([tag]), _StepScope(step):
-                with _PackedReads(variables, tag):
+                with _PackedReads(variables, first):
                     return fn(*a, **k)
 
-        graph = tf.compat.v1.get_default_graph()
-        first = len(graph.get_operations())
         result = super().run(step_fn, args=args, kwargs=kwargs, options=options)
         _order_only_reads_after(tag, graph.get_operations()[first:])
         if (
