@@ -204,6 +204,34 @@ class FitTest(parameterized.TestCase):
         self.assertEqual(caller.fit(handler), 10)
         self.assertEqual(unrolled_fit._steps_of_call(model), 10)
 
+    def test_steps_per_execution_moves_off_the_ps_once_fit_starts(self):
+        # fit's data handler reads it before every function it schedules.
+        model = _compiled(steps_per_execution=5)
+        self.assertIn("/job:ps", model._steps_per_execution.device)
+        x, y = testutil.data("dense", 32)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=1, steps_per_epoch=7, verbose=0)  # 5, then 2
+        moved = model._steps_per_execution
+        self.assertNotIn("/job:ps", moved.device)
+        self.assertEqual(int(moved.numpy()), 5)
+        self.assertEqual(int(model._train_counter.numpy()), 7)
+        self.assertNotIn(id(moved), {id(v) for v in model.variables})
+        # tf_keras's loop takes it as an argument, read when scheduled.
+        tf2sync.unroll_fit_steps(model, False)
+        model.steps_per_execution = 3
+        model.fit(ds, epochs=1, steps_per_epoch=7, verbose=0)  # 3, 3, 1
+        self.assertIs(model._steps_per_execution, moved)
+        self.assertEqual(int(moved.numpy()), 3)
+        self.assertEqual(int(model._train_counter.numpy()), 7)
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 7)
+
+    def test_steps_per_execution_stays_where_a_tuner_holds_it(self):
+        model = _compiled(steps_per_execution=5)
+        variable = model._steps_per_execution
+        model._autotune_steps_per_execution = True  # its tuner holds it
+        unrolled_fit.steps_per_execution_on_coordinator(model, None)
+        self.assertIs(model._steps_per_execution, variable)
+
     def test_unroll_fit_steps_enabled_must_be_a_bool(self):
         with self.assertRaisesRegex(
             TypeError, r"`enabled` must be True or False. Received: enabled=1"

@@ -309,9 +309,14 @@ class _SyncCoordinator(coordinator_lib.ClusterCoordinator):
         """
         if self.strategy.extended._num_gpus_per_worker == 0:
             dataset_fn = _single_pipeline(dataset_fn)
-        model = _fitting_model()
+        # The data handler of a `fit` or `evaluate` building its input
+        # (exact evaluation's subclass aside), before `fit` makes its train
+        # function: otherwise `fit` keeps tf_keras's loop (slower, not wrong).
+        handler = _caller_of_type("_ClusterCoordinatorDataHandler")
+        model = getattr(handler, "_model", None)
         if model is not None:
             _check_not_jit_compiled(model)
+            unrolled_fit.steps_per_execution_on_coordinator(model, handler)
             # fit makes its train function next: repeat its steps.
             unrolled_fit.repeat_by_default(model)
         return super().create_per_worker_dataset(dataset_fn)
@@ -400,18 +405,6 @@ def _check_not_jit_compiled(model):
             "model with jit_compile=False. Received: "
             f"jit_compile={model.jit_compile!r}"
         )
-
-
-def _fitting_model():
-    """The model whose `fit` or `evaluate` is building its input, or None.
-
-    tf_keras's `_ClusterCoordinatorDataHandler` (exact evaluation's
-    subclass aside) creates the per-worker dataset before `fit` makes its
-    train function (otherwise `fit` keeps tf_keras's loop: slower, not
-    wrong).
-    """
-    handler = _caller_of_type("_ClusterCoordinatorDataHandler")
-    return getattr(handler, "_model", None)
 
 
 def _single_pipeline(dataset_or_fn):
