@@ -128,6 +128,17 @@ def targets(records) -> list[dict]:
                 ".1f",
             )
         )
+    extra = sections.memory_growth_with_table(records)
+    rows.append(
+        _row(
+            "ps memory: tf2sync_loop state growth per added worker with 4 x "
+            "the embedding, minus with w3's (MB)",
+            extra,
+            f"<= {most:.1f} ({MEMORY_PER_WORKER:.0%} of w3's embedding)",
+            lambda v: v <= most,
+            ".1f",
+        )
+    )
     _, peak = sections.memory_summary(records)
     rows.append(
         _row(

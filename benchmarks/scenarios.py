@@ -176,33 +176,39 @@ def scenario_memory(bench, workload="w3"):
     """RSS of a subprocess ps on w3, tf2sync with 1..4 workers.
 
     Then stock PSS with the same optimizer, with the fewest and the most
-    workers (the reference), and a control whose ps does hold dense
-    per-step buffers of the embedding's size: stock PSS with
-    `tf.keras.optimizers.SGD`, whose momentum rewrites the whole table every
-    step.
+    workers (the reference), and two controls: tf2sync with an embedding
+    4 x as large (`w3_x4`: what of the growth per worker comes with the
+    table), and a ps that does hold dense per-step buffers of the
+    embedding's size: stock PSS with `tf.keras.optimizers.SGD`, whose
+    momentum rewrites the whole table every step.
     """
     s = bench.s
     fewest, most = min(s.memory_workers), max(s.memory_workers)
-    cells = [("tf2sync_loop", n, s.optimizer) for n in s.memory_workers]
-    cells += [
-        (system, n, s.optimizer)
-        for system in ("tf2sync_loop_while", "pss_async")
-        for n in sorted({fewest, most})
+    ends = sorted({fewest, most})
+    cells = [
+        ("tf2sync_loop", n, s.optimizer, workload) for n in s.memory_workers
     ]
-    cells.append(("pss_async", most, "keras"))
-    for system, n, kind in cells:
+    cells += [
+        (system, n, s.optimizer, workload)
+        for system in ("tf2sync_loop_while", "pss_async")
+        for n in ends
+    ]
+    cells += [("tf2sync_loop", n, s.optimizer, "w3_x4") for n in ends]
+    cells.append(("pss_async", most, "keras", workload))
+    functions = min(s.functions[workload], MEMORY_FUNCTIONS)
+    for system, n, kind, cell_workload in cells:
         base = {
             "scenario": "memory",
-            "workload": workload,
+            "workload": cell_workload,
             "workers": n,
             "optimizer": kind,
             "steps_per_function": s.k,
-            "functions": min(s.functions[workload], MEMORY_FUNCTIONS),
+            "functions": functions,
         }
-        name = f"memory_{system}_{kind}_{n}w"
+        name = f"memory_{system}_{kind}_{cell_workload}_{n}w"
         spec, tasks = bench.start_tasks(name, n, env=_MEMORY_ENV)
         chief = bench.start_pss(name, n, cluster_spec=spec, optimizer=kind)
-        args = {"system": system, "workload": workload, "k": s.k}
+        args = {"system": system, "workload": cell_workload, "k": s.k}
         endpoint = Endpoint(system, "pss", [chief], args, n)
         try:
             _measure_memory(bench, endpoint, tasks[0].pid, base)
@@ -223,8 +229,7 @@ def _measure_memory(bench, endpoint, ps_pid, base):
         return
     state = procs.memory_kb(ps_pid)
     reset = procs.reset_peak(ps_pid)
-    functions = min(s.functions[base["workload"]], MEMORY_FUNCTIONS)
-    result = endpoint.run(functions, s.k, s.timeout)
+    result = endpoint.run(base["functions"], s.k, s.timeout)
     after = procs.memory_kb(ps_pid)
     bench.sink.write(
         {

@@ -35,7 +35,10 @@ SYSTEM_TEXT = {
     "MonitoredTrainingSession per worker thread",
     "mwms": "MultiWorkerMirroredStrategy, one process per worker",
 }
-EMBEDDING_MB = 100_000 * 32 * 4 / 1e6
+# Embedding rows of w3 and of w3_x4, the memory scenario's 4 x control
+# (benchmarks/workloads.py; this module does not import TensorFlow).
+EMBEDDING_ROWS = {"w3": 100_000, "w3_x4": 400_000}
+EMBEDDING_MB = EMBEDDING_ROWS["w3"] * 32 * 4 / 1e6
 
 
 def runs(records, scenario):
@@ -299,8 +302,8 @@ def _growth_per_worker(rows):
 
 def memory_summary(records, system="tf2sync_loop"):
     """`system`'s (state growth per added worker beyond stock PSS's, largest
-    per-step peak), in MB."""
-    found = _memory_rows(records)
+    per-step peak), in MB, on w3."""
+    found = [r for r in _memory_rows(records) if r["workload"] == "w3"]
     ours = [r for r in found if r["system"] == system]
     kind = ours[0]["optimizer"] if ours else None
     stock = [
@@ -314,6 +317,24 @@ def memory_summary(records, system="tf2sync_loop"):
     return growth, max((_peak_mb(r) for r in ours), default=None)
 
 
+def memory_growth_with_table(records, system="tf2sync_loop"):
+    """MB: `system`'s state growth per added worker with w3_x4's embedding
+    minus the same with w3's (0 when nothing per worker grows with the
+    table), or None."""
+    growth = {}
+    for workload in ("w3", "w3_x4"):
+        growth[workload] = _growth_per_worker(
+            [
+                r
+                for r in _memory_rows(records)
+                if r["system"] == system and r["workload"] == workload
+            ]
+        )
+    if None in growth.values():
+        return None
+    return growth["w3_x4"] - growth["w3"]
+
+
 def memory_section(records) -> list[str]:
     found = _memory_rows(records)
     if not found:
@@ -323,13 +344,15 @@ def memory_section(records) -> list[str]:
             r["system"],
             r["workers"],
             r["optimizer"],
+            f"{EMBEDDING_ROWS[r['workload']]:,}",
             fmt(r["rss_idle_kb"] / 1e3, ".1f"),
             fmt(_state_mb(r), ".1f"),
             fmt(_peak_mb(r), ".1f") + ("" if r["peak_reset"] else " (*)"),
         ]
         for r in found
     ]
-    header = ["system", "workers", "optimizer", "ps RSS idle MB"]
+    header = ["system", "workers", "optimizer", "embedding rows"]
+    header += ["ps RSS idle MB"]
     header += ["state MB", "per-step peak MB"]
     return [
         f"w3; the ps is a process of its own (`python -m tf2sync "
@@ -346,7 +369,10 @@ def memory_section(records) -> list[str]:
         "its); "
         "with `keras` (`tf.keras.optimizers.SGD`, whose momentum rewrites "
         "the whole table every step) it is the control: what dense "
-        "per-step buffers of the embedding's size look like here.",
+        "per-step buffers of the embedding's size look like here. tf2sync "
+        "with an embedding of 4 x the rows is the other control: a buffer "
+        "of the table's size per worker would add 3 x "
+        f"{EMBEDDING_MB:.1f} MB per added worker there.",
         "",
         *table(header, rows),
         "",

@@ -23,8 +23,12 @@ import tensorflow as tf  # noqa: E402
 
 WORKLOADS = ("w1", "w2", "w3")
 WIDTHS = (64, 256, 1024, 4096)  # hidden units of the model-size sweep
-BATCH = {"w1": 32, "w2": 64, "w3": 128} | {f"w1_h{h}": 32 for h in WIDTHS}
 VOCAB = 100_000
+# w3's embedding rows; "w3_x4" is w3 with a table 4 x as large (the memory
+# scenario's control: what grows with the table).
+VOCABS = {"w3": VOCAB, "w3_x4": 4 * VOCAB}
+BATCH = {"w1": 32, "w2": 64} | {w: 128 for w in VOCABS}
+BATCH |= {f"w1_h{h}": 32 for h in WIDTHS}
 EMBED_DIM = 32
 IDS_PER_EXAMPLE = 20
 LEARNING_RATE = 0.01
@@ -32,9 +36,9 @@ MOMENTUM = 0.9
 SEED = 0
 
 
-def embedding_bytes() -> int:
-    """Size of w3's embedding table (float32)."""
-    return VOCAB * EMBED_DIM * 4
+def embedding_bytes(workload: str = "w3") -> int:
+    """Size of the workload's embedding table (float32)."""
+    return VOCABS[workload] * EMBED_DIM * 4
 
 
 def build_model(workload: str) -> tf.keras.Model:
@@ -61,11 +65,11 @@ def build_model(workload: str) -> tf.keras.Model:
                 layers.Dense(10),
             ]
         )
-    if workload == "w3":
+    if workload in VOCABS:
         return tf.keras.Sequential(
             [
                 layers.Embedding(
-                    VOCAB, EMBED_DIM, input_length=IDS_PER_EXAMPLE
+                    VOCABS[workload], EMBED_DIM, input_length=IDS_PER_EXAMPLE
                 ),
                 layers.GlobalAveragePooling1D(),
                 layers.Dense(64, activation="relu"),
@@ -83,7 +87,7 @@ def make_data(workload: str, n: int, seed: int = SEED):
     if workload == "w2":
         x = rng.randn(n, 32, 32, 3).astype("float32")
         return x, rng.randint(0, 10, n)
-    x = rng.randint(0, VOCAB, size=(n, IDS_PER_EXAMPLE))
+    x = rng.randint(0, VOCABS[workload], size=(n, IDS_PER_EXAMPLE))
     return x, rng.randn(n, 1).astype("float32")
 
 
@@ -95,7 +99,7 @@ def dataset(workload: str, batch: int, seed: int = SEED) -> tf.data.Dataset:
 
 def loss_fn(workload: str):
     """`loss(y, logits)`: the mean over the batch (for custom loops)."""
-    if workload == "w3":
+    if workload in VOCABS:
         return lambda y, p: tf.reduce_mean(tf.square(y - p))
     return lambda y, p: tf.reduce_mean(
         tf.keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True)
@@ -104,7 +108,7 @@ def loss_fn(workload: str):
 
 def keras_loss(workload: str):
     """The loss for `model.compile`."""
-    if workload == "w3":
+    if workload in VOCABS:
         return "mse"
     return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

@@ -209,6 +209,56 @@ class ReportTest(absltest.TestCase):
         self.assertEqual((fit["measured"], fit["result"]), ("0.92", "MISS"))
         self.assertStartsWith(rows["w2 tf2sync_loop / local"]["result"], "n/a")
 
+    def test_memory_targets_compare_growth_per_worker(self):
+        report = _load_report()
+
+        def cell(system, workers, state_mb, workload="w3", kind="legacy"):
+            return {
+                "scenario": "memory",
+                "workload": workload,
+                "system": system,
+                "workers": workers,
+                "optimizer": kind,
+                "rss_idle_kb": 600_000,
+                "anon_idle_kb": 200_000,
+                "rss_state_kb": 600_000 + state_mb * 1000,
+                "anon_state_kb": 200_000 + state_mb * 1000,
+                "hwm_run_kb": 600_000 + state_mb * 1000 + 2000,
+            }
+
+        def rows(x4_state_mb):
+            records = [
+                cell("pss_async", 1, 30),
+                cell("pss_async", 4, 33),  # stock: 1 MB per worker
+                cell("tf2sync_loop", 1, 35),
+                cell("tf2sync_loop", 4, 47),  # 4 MB per worker: 3 beyond
+                cell("tf2sync_loop", 1, 110, "w3_x4"),
+                cell("tf2sync_loop", 4, x4_state_mb, "w3_x4"),
+            ]
+            found = {t["target"]: t for t in report.targets(records)}
+            return {k: v for k, v in found.items() if "memory" in k}
+
+        found = rows(x4_state_mb=122.0)  # the same 4 MB per worker
+        beyond = found[
+            "ps memory: tf2sync_loop state growth per added worker, "
+            "beyond stock PSS's (MB)"
+        ]
+        self.assertEqual(
+            (beyond["measured"], beyond["result"]), ("3.0", "PASS")
+        )
+        table = (
+            "ps memory: tf2sync_loop state growth per added worker with 4 x "
+            "the embedding, minus with w3's (MB)"
+        )
+        self.assertEqual(
+            (found[table]["measured"], found[table]["result"]), ("0.0", "PASS")
+        )
+        # A buffer of the table's size per worker: 51.2 MB more each.
+        found = rows(x4_state_mb=122.0 + 3 * 51.2)
+        self.assertEqual(
+            (found[table]["measured"], found[table]["result"]), ("51.2", "MISS")
+        )
+
 
 if __name__ == "__main__":
     absltest.main()
