@@ -121,7 +121,7 @@ def targets(records) -> list[dict]:
         rows.append(
             _row(
                 f"ps memory: {system} state growth per added worker, beyond "
-                "stock PSS's (MB)",
+                f"{sections.MEMORY_REFERENCE[system]}'s (MB)",
                 growth,
                 f"<= {most:.1f} ({MEMORY_PER_WORKER:.0%} of the embedding)",
                 lambda v: v <= most,

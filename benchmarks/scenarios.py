@@ -175,12 +175,13 @@ _MEMORY_ENV = {
 def scenario_memory(bench, workload="w3"):
     """RSS of a subprocess ps on w3, tf2sync with 1..4 workers.
 
-    Then stock PSS with the same optimizer, with the fewest and the most
-    workers (the reference), and two controls: tf2sync with an embedding
-    4 x as large (`w3_x4`: what of the growth per worker comes with the
-    table), and a ps that does hold dense per-step buffers of the
-    embedding's size: stock PSS with `tf.keras.optimizers.SGD`, whose
-    momentum rewrites the whole table every step.
+    Then stock PSS with the same optimizer, in both function forms, with
+    the fewest and the most workers (the references), and two controls:
+    tf2sync with an embedding 4 x as large (`w3_x4`: what of the growth
+    per worker comes with the table), and a ps that does hold dense
+    per-step buffers of the embedding's size: stock PSS with
+    `tf.keras.optimizers.SGD`, whose momentum rewrites the whole table
+    every step.
     """
     s = bench.s
     fewest, most = min(s.memory_workers), max(s.memory_workers)
@@ -190,7 +191,7 @@ def scenario_memory(bench, workload="w3"):
     ]
     cells += [
         (system, n, s.optimizer, workload)
-        for system in ("tf2sync_loop_while", "pss_async")
+        for system in ("tf2sync_loop_while", "pss_async", "pss_async_unrolled")
         for n in ends
     ]
     cells += [("tf2sync_loop", n, s.optimizer, "w3_x4") for n in ends]
