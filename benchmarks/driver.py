@@ -300,8 +300,9 @@ class Bench:
 
 def _cpu_per_example(cpu_s, result) -> dict:
     """The run's CPU seconds (all the harness's processes, one system
-    running at a time) and CPU microseconds per example."""
-    examples = result.get("examples") or 0
+    running at a time) and CPU microseconds per example (of every example
+    the run trained: `cpu_examples` where it timed only some)."""
+    examples = result.get("cpu_examples") or result.get("examples") or 0
     record = {"cpu_s": round(cpu_s, 3)}
     if examples and not result.get("window"):  # a window counts fewer
         record["cpu_us_per_example"] = round(cpu_s / examples * 1e6, 2)

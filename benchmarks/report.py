@@ -235,8 +235,12 @@ def render(records, image_note) -> str:
         "CPU us / ex: the user + system CPU time of all the harness's "
         "processes during a run (one system runs at a time), per example. "
         "On a machine whose cores every process shares it moves less "
-        "between runs than examples/s. `fit`'s includes building its "
-        "per-worker input, once per run.",
+        "between runs than examples/s. `fit` runs 2 epochs of that work per "
+        "run and is timed over the second, as a `fit` of several epochs "
+        "runs: the first also holds the call's start (tf_keras builds and "
+        "ships each worker's input pipeline, data included, at every `fit` "
+        "call; the loops build theirs once, untimed). Its CPU per example "
+        "is over both epochs.",
         "",
     ]
     lines += sections.main_section(records) + [image_note, ""]
