@@ -225,6 +225,39 @@ class FitTest(parameterized.TestCase):
         self.assertEqual(int(model._train_counter.numpy()), 7)
         self.assertEqual(int(model.optimizer.iterations.numpy()), 7)
 
+    def test_logged_loss_is_exact_with_its_writes_riding_the_push(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = testutil.dense_model()
+            # Learning rate 0: every step's loss is the initial weights'.
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.0)),
+                loss=testutil.LOSS,
+                steps_per_execution=5,
+            )
+        x, y = testutil.data("dense", 32)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        history = model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
+        expected = float(testutil.LOSS(y, model(x)))
+        self.assertAlmostEqual(history.history["loss"][0], expected, places=5)
+        # The loss Mean's total and count come from the push on the ps.
+        graph = (
+            model.train_function.functions[5]
+            .get_concrete_function(
+                iter(model._cluster_coordinator.create_per_worker_dataset(ds))
+            )
+            .graph
+        )
+        metric_writes = [
+            op
+            for op in graph.get_operations()
+            if op.type == "AssignAddVariableOp"
+            and op.inputs[1].dtype == tf.float32
+        ]
+        self.assertLen(metric_writes, 2 * 5)
+        for op in metric_writes:
+            self.assertIn("/job:ps", op.inputs[1].op.device, op.name)
+
     def test_steps_per_execution_stays_where_a_tuner_holds_it(self):
         model = _compiled(steps_per_execution=5)
         variable = model._steps_per_execution

@@ -291,8 +291,10 @@ class WireTest(absltest.TestCase):
         ]
         sparse = [(ids, rows)]
         worker = tf.constant(1, tf.int64)
+        # Riders sit between the worker index and the sparse rows.
+        riders = [tf.constant([[1.5, -2.0]]), tf.constant(7.0)]
         wire = aggregation._Wire(
-            aggregator.device, layout, packed, sparse, worker
+            aggregator.device, layout, packed, sparse, worker, riders
         )
         self.assertEqual(wire.tensor.dtype, tf.float32)
         self.assertEqual(wire.tensor.shape.rank, 1)
@@ -303,6 +305,62 @@ class WireTest(absltest.TestCase):
         self.assertEqual(got_ids.dtype, tf.int64)
         np.testing.assert_array_equal(got_ids, ids)
         np.testing.assert_array_equal(got_rows, rows)
+        for sent, got in zip(riders, wire.riders(wire.tensor)):
+            self.assertEqual(got.shape, sent.shape)
+            np.testing.assert_array_equal(got, sent)
+
+
+class RiderTest(absltest.TestCase):
+    """A step's metric writes take their values from the push, on the ps."""
+
+    def _train(self, metric_before_gradients=False):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        x, y = testutil.data("dense", 8)
+        with strategy.scope():
+            model = testutil.dense_model()
+            # Learning rate 0: every step's loss is the initial weights'.
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.0))
+            mean = tf.keras.metrics.Mean()
+            calls = tf.Variable(0, dtype=tf.int64)  # int64: never rides
+
+        def replica():
+            with tf.GradientTape() as tape:
+                loss = testutil.mean_loss(y, model(x))
+            update = mean.update_state(loss)
+            calls.assign_add(1)
+            grads = tape.gradient(loss, model.trainable_variables)
+            if metric_before_gradients:  # riding would be a cycle
+                with tf.control_dependencies([update]):
+                    grads = [tf.identity(g) for g in grads]
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        function = tf.function(lambda: strategy.run(replica))
+        for _ in range(6):
+            coordinator.schedule(function)
+        coordinator.join()
+        expected = float(testutil.mean_loss(y, model(x)))
+        self.assertAlmostEqual(float(mean.result()), expected, places=5)
+        self.assertEqual(int(calls.numpy()), 6)
+        writes = {}
+        graph = function.get_concrete_function().graph
+        for op in graph.get_operations():
+            if op.type == "AssignAddVariableOp":
+                value = op.inputs[1]
+                writes.setdefault(value.dtype, []).append(
+                    "/job:ps" in value.op.device
+                )
+        return writes
+
+    def test_metric_writes_take_their_values_from_the_push(self):
+        writes = self._train()
+        self.assertEqual(writes[tf.float32], [True, True])  # total, count
+        # The int64 count of calls is computed where it is written.
+        self.assertNotIn(True, writes[tf.int64][-1:])
+
+    def test_a_write_the_gradients_wait_for_stays_as_it_was(self):
+        writes = self._train(metric_before_gradients=True)
+        self.assertEqual(writes[tf.float32], [False, False])
 
 
 class SparseApplyPathTest(absltest.TestCase):

@@ -301,6 +301,7 @@ class Aggregator:
         check_finite=False,
         worker=None,
         stats=True,
+        riders_from=None,
     ):
         """Pushes one replica's gradients.
 
@@ -320,7 +321,16 @@ class Aggregator:
             per-worker counts.
           stats: Whether to read the counters for the caller (`model.fit`'s
             logs); otherwise `stats` is empty.
+          riders_from: Optional index of the step's first op in the current
+            graph. The step's writes of float32 values computed on the worker
+            to variables on this ps (a compiled metric's total and count)
+            then take their values from the push's tensor on the ps instead
+            of crossing as transfers of their own (see `_riders`).
         """
+        graph = tf.compat.v1.get_default_graph()
+        riders = []
+        if riders_from is not None:  # before the push adds ops of its own
+            riders = _riders(graph, riders_from, self.device)
         self.build(grads_and_vars)
         layout = self._layout
         by_key = {_key(v): g for g, v in grads_and_vars}
@@ -342,8 +352,22 @@ class Aggregator:
             (tf.cast(g.indices, tf.int64), g.values)
             for g in (by_key[_key(s.variable)] for s in layout.sparse)
         ]
-        wire = _Wire(self.device, layout, packed, sparse, worker)
+        if riders:  # a write the gradients wait for cannot wait for them
+            ahead = _among_ancestors(
+                riders, packed + [t for pair in sparse for t in pair]
+            )
+            riders = [op for op in riders if op not in ahead]
+        wire = _Wire(
+            self.device,
+            layout,
+            packed,
+            sparse,
+            worker,
+            [op.inputs[1] for op in riders],
+        )
         inputs = self._received({"tag": tag, **wire.inputs()})
+        for op, value in zip(riders, wire.riders(inputs["tensor"])):
+            op._update_input(1, value)
         function = self._repeated_push_function(
             wire, inputs, check_finite, stats
         )
@@ -673,16 +697,18 @@ class _Wire:
     and on small models the transfers are most of a step. Everything bound
     for the ps of the critical section travels in one float32 tensor:
     `[rows per sparse gradient | dense float32 gradients | worker index |
-    per sparse gradient: its int64 row ids bit-cast to float32 pairs, then
-    its values]`. Bit casts and slices copy bits, so ids arrive exact (they
-    never enter arithmetic: the finiteness check sums the unpacked values
-    only). Gradients of other dtypes, or for variables on other ps tasks,
-    travel as before.
+    riders | per sparse gradient: its int64 row ids bit-cast to float32
+    pairs, then its values]`. Bit casts and slices copy bits, so ids arrive
+    exact (they never enter arithmetic: the finiteness check sums the
+    unpacked values only). Gradients of other dtypes, or for variables on
+    other ps tasks, travel as before. Riders are other float32 values of the
+    step bound for this ps (see `_riders`); they travel only when the wire
+    does.
     """
 
     DTYPE = tf.float32
 
-    def __init__(self, device, layout, packed, sparse, worker):
+    def __init__(self, device, layout, packed, sparse, worker, riders=()):
         self._dense = [
             i
             for i, g in enumerate(layout.dense)
@@ -699,9 +725,12 @@ class _Wire:
         self._sparse_in = sparse
         self._worker = worker
         self.has_worker = worker is not None
+        self._device = device
+        self._riders = []
         self.tensor = None
         if not (self._dense or self._sparse):
             return  # the worker index alone gains nothing
+        self._riders = list(riders)
         parts = []
         if self._sparse:
             parts.append(
@@ -713,6 +742,7 @@ class _Wire:
         parts += [packed[i] for i in self._dense]
         if worker is not None:
             parts.append(tf.cast(tf.reshape(worker, [1]), self.DTYPE))
+        parts += [tf.reshape(r, [-1]) for r in self._riders]
         for i in self._sparse:
             ids, values = sparse[i]
             parts.append(tf.reshape(tf.bitcast(ids, self.DTYPE), [-1]))
@@ -734,6 +764,25 @@ class _Wire:
             "worker": self._worker if self.tensor is None else None,
         }
 
+    def _riders_at(self):
+        """Where the riders start in the wire (a static offset)."""
+        offset = len(self._sparse)
+        offset += sum(sum(self._layout.dense[i].sizes) for i in self._dense)
+        return offset + (1 if self._worker is not None else 0)
+
+    def riders(self, tensor):
+        """The riders' values, sliced on the ps from the wire `tensor` there."""
+        offset = self._riders_at()
+        values = []
+        with tf.device(self._device):
+            for rider in self._riders:
+                size = rider.shape.num_elements()
+                values.append(
+                    tf.reshape(tensor[offset : offset + size], rider.shape)
+                )
+                offset += size
+        return values
+
     def unpack(self, tensor, packed, sparse, worker):
         """`{"packed", "sparse", "worker"}` as they arrived (on the ps)."""
         packed = list(packed)
@@ -751,6 +800,7 @@ class _Wire:
         if worker is not None:
             worker = tf.cast(tf.round(wire[offset]), tf.int64)
             offset += 1
+        offset += sum(r.shape.num_elements() for r in self._riders)
         at = tf.constant(offset, tf.int32)
         for j, i in enumerate(self._sparse):
             n = rows[j]
@@ -767,6 +817,78 @@ class _Wire:
             at += n * width
             sparse[i] = (ids, values)
         return {"packed": packed, "sparse": sparse, "worker": worker}
+
+
+_WRITES = frozenset(
+    ["AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp"]
+)
+
+
+def _riders(graph, start, device):
+    """The step's writes whose values can ride in the push to `device`.
+
+    Each write to a variable on a ps of a value computed on the worker is a
+    transfer of its own: `model.fit`'s compiled loss adds two per step (its
+    `Mean`'s total and count), where the push is the only other transfer
+    from the worker. Those writes (ops `start` on in `graph`, traced before
+    the push) may take the value from the push's tensor on the ps instead:
+    the same value, written once the push has arrived rather than when it
+    was computed. A write rides if its variable lives on `device`, its
+    value is float32 with a static shape, and the op computing the value
+    sits on no ps and reads no resource (it runs on the worker).
+    """
+    here = tf.DeviceSpec.from_string(device)
+    found = []
+    for op in graph.get_operations()[start:]:
+        if op.type not in _WRITES:
+            continue
+        handle_device = _captured_device(graph, op.inputs[0])
+        value = op.inputs[1]
+        producer = value.op
+        if (
+            handle_device
+            and tf.DeviceSpec.from_string(handle_device) == here
+            and value.dtype == tf.float32
+            and value.shape.is_fully_defined()
+            and "/job:" not in producer.device
+            and not any(t.dtype == tf.resource for t in producer.inputs)
+        ):
+            found.append(op)
+    return found
+
+
+def _among_ancestors(ops, tensors):
+    """The ops of `ops` that `tensors` depend on (data or control)."""
+    wanted = set(ops)
+    found = set()
+    seen = set()
+    stack = [t.op for t in tensors]
+    while stack and found != wanted:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op in wanted:
+            found.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return found
+
+
+def _captured_device(graph, tensor):
+    """The device of the eager tensor that `tensor` captures, or None."""
+    while tf.is_symbolic_tensor(tensor):
+        outer = None
+        for captured, inner in graph.captures:
+            if inner is tensor:
+                outer = captured
+                break
+        if outer is None:
+            return None
+        if not tf.is_symbolic_tensor(outer):
+            return outer.device
+        graph, tensor = outer.graph, outer
+    return None
 
 
 def _dedup(grad):

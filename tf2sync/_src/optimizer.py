@@ -342,6 +342,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             check_finite=self._nonfinite != "raise",
             worker=step.worker,
             stats=step.want_stats,
+            riders_from=step.first_op,
         )
         return applied
 

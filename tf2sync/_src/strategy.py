@@ -31,9 +31,10 @@ _CONNECTED = {}  # the cluster spec this process last connected to
 class StepContext:
     """What one traced replica step knows: its tag, and whether it pushed."""
 
-    def __init__(self, tag, worker=None, want_stats=True):
+    def __init__(self, tag, worker=None, want_stats=True, first_op=None):
         self.tag = tag
         self.worker = worker
+        self.first_op = first_op  # index of the step's first op in its graph
         self.pushed = False
         self.want_stats = want_stats  # whether the push reads the counters
         self.stats = None  # set by the push: counters read on the ps
@@ -648,12 +649,13 @@ class SyncParameterServerStrategy(
                     check()
             return result
         tag = aggregator.acquire()
-        # Only model.fit's train step puts the counters in its logs.
-        step = StepContext(tag, current_worker(), _is_keras_train_step(fn))
-
         variables = self._extended._tf2sync_variables
         graph = tf.compat.v1.get_default_graph()
         first = len(graph.get_operations())
+        # Only model.fit's train step puts the counters in its logs.
+        step = StepContext(
+            tag, current_worker(), _is_keras_train_step(fn), first
+        )
 
         def step_fn(*a, **k):
             with tf.control_dependencies([tag]), _StepScope(step):
