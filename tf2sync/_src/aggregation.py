@@ -327,9 +327,9 @@ class Aggregator:
             then take their values from the push's tensor on the ps instead
             of crossing as transfers of their own (see `_riders`).
         """
-        graph = tf.compat.v1.get_default_graph()
         riders = []
         if riders_from is not None:  # before the push adds ops of its own
+            graph = tf.compat.v1.get_default_graph()
             riders = _riders(graph, riders_from, self.device)
         self.build(grads_and_vars)
         layout = self._layout

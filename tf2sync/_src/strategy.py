@@ -34,7 +34,9 @@ class StepContext:
     def __init__(self, tag, worker=None, want_stats=True, first_op=None):
         self.tag = tag
         self.worker = worker
-        self.first_op = first_op  # index of the step's first op in its graph
+        # Where the step's ops start: its graph, and its first op's index.
+        self.graph = tf.compat.v1.get_default_graph()
+        self.first_op = first_op
         self.pushed = False
         self.want_stats = want_stats  # whether the push reads the counters
         self.stats = None  # set by the push: counters read on the ps
