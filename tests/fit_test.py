@@ -25,13 +25,15 @@ def _reference(x, y, steps, opt_fn, seed=0):
     return model
 
 
-def _compiled(**compile_kwargs):
-    """A dense model compiled with SyncOptimizer(SGD(0.05)), 2 of 2."""
+def _compiled(learning_rate=0.05, **compile_kwargs):
+    """A dense model compiled with SyncOptimizer(SGD), 2 of 2."""
     strategy = testutil.strategy(2, replicas_to_aggregate=2)
     with strategy.scope():
         model = testutil.dense_model()
         model.compile(
-            optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.05)),
+            optimizer=tf2sync.SyncOptimizer(
+                tf.keras.optimizers.SGD(learning_rate)
+            ),
             loss=testutil.LOSS,
             **compile_kwargs,
         )
@@ -226,15 +228,8 @@ class FitTest(parameterized.TestCase):
         self.assertEqual(int(model.optimizer.iterations.numpy()), 7)
 
     def test_logged_loss_is_exact_with_its_writes_riding_the_push(self):
-        strategy = testutil.strategy(2, replicas_to_aggregate=2)
-        with strategy.scope():
-            model = testutil.dense_model()
-            # Learning rate 0: every step's loss is the initial weights'.
-            model.compile(
-                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.0)),
-                loss=testutil.LOSS,
-                steps_per_execution=5,
-            )
+        # Learning rate 0: every step's loss is the initial weights'.
+        model = _compiled(learning_rate=0.0, steps_per_execution=5)
         x, y = testutil.data("dense", 32)
         ds = tf.data.Dataset.from_tensors((x, y)).repeat()
         history = model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
