@@ -497,10 +497,15 @@ class SyncReplicasTest(absltest.TestCase):
         h = self.harness = _Harness(rta=2, total=2, num_tokens=2)
         h.start()
         rounds = 4
+        accumulator = h.opt._accumulators()[0]
         for _ in range(rounds):
             h.schedule(0)
             h.schedule(1)
             h.coordinator.join()
+            # The sync round takes on a coordinator thread, as TF1's chief
+            # queue runner: a take that comes after the next round's first
+            # push averages 3 gradients (as TF1's would). Wait for it.
+            h.settle(accumulator)
         h.wait_global_step(int(h.opt.rounds.numpy()))
         applied = int(h.opt.rounds.numpy())
         # Startup wastes one step per worker: at least rounds - 1 applies.
