@@ -36,11 +36,6 @@ MOMENTUM = 0.9
 SEED = 0
 
 
-def embedding_bytes(workload: str = "w3") -> int:
-    """Size of the workload's embedding table (float32)."""
-    return VOCABS[workload] * EMBED_DIM * 4
-
-
 def build_model(workload: str) -> tf.keras.Model:
     """The workload's tf_keras model (create it under the strategy scope)."""
     tf.keras.utils.set_random_seed(SEED)

@@ -291,7 +291,7 @@ class WireTest(absltest.TestCase):
         ]
         sparse = [(ids, rows)]
         worker = tf.constant(1, tf.int64)
-        # Riders sit between the worker index and the sparse rows.
+        # Riders follow the sparse rows, whose size is known only there.
         riders = [tf.constant([[1.5, -2.0]]), tf.constant(7.0)]
         wire = aggregation._Wire(
             aggregator.device, layout, packed, sparse, worker, riders

@@ -697,13 +697,13 @@ class _Wire:
     and on small models the transfers are most of a step. Everything bound
     for the ps of the critical section travels in one float32 tensor:
     `[rows per sparse gradient | dense float32 gradients | worker index |
-    riders | per sparse gradient: its int64 row ids bit-cast to float32
-    pairs, then its values]`. Bit casts and slices copy bits, so ids arrive
+    per sparse gradient: its int64 row ids bit-cast to float32 pairs, then
+    its values | riders]`. Bit casts and slices copy bits, so ids arrive
     exact (they never enter arithmetic: the finiteness check sums the
     unpacked values only). Gradients of other dtypes, or for variables on
     other ps tasks, travel as before. Riders are other float32 values of the
-    step bound for this ps (see `_riders`); they travel only when the wire
-    does.
+    step bound for this ps (see `_riders`): last, at static offsets from
+    the end, so `unpack` ignores them. They travel only when the wire does.
     """
 
     DTYPE = tf.float32
@@ -742,11 +742,11 @@ class _Wire:
         parts += [packed[i] for i in self._dense]
         if worker is not None:
             parts.append(tf.cast(tf.reshape(worker, [1]), self.DTYPE))
-        parts += [tf.reshape(r, [-1]) for r in self._riders]
         for i in self._sparse:
             ids, values = sparse[i]
             parts.append(tf.reshape(tf.bitcast(ids, self.DTYPE), [-1]))
             parts.append(tf.reshape(values, [-1]))
+        parts += [tf.reshape(r, [-1]) for r in self._riders]
         self.tensor = tf.concat(parts, axis=0)
 
     def inputs(self):
@@ -764,23 +764,16 @@ class _Wire:
             "worker": self._worker if self.tensor is None else None,
         }
 
-    def _riders_at(self):
-        """Where the riders start in the wire (a static offset)."""
-        offset = len(self._sparse)
-        offset += sum(sum(self._layout.dense[i].sizes) for i in self._dense)
-        return offset + (1 if self._worker is not None else 0)
-
     def riders(self, tensor):
         """The riders' values, sliced on the ps from the wire `tensor` there."""
-        offset = self._riders_at()
+        offset = -sum(r.shape.num_elements() for r in self._riders)
         values = []
         with tf.device(self._device):
             for rider in self._riders:
-                size = rider.shape.num_elements()
-                values.append(
-                    tf.reshape(tensor[offset : offset + size], rider.shape)
-                )
-                offset += size
+                end = offset + rider.shape.num_elements()
+                piece = tensor[offset : end or None]
+                values.append(tf.reshape(piece, rider.shape))
+                offset = end
         return values
 
     def unpack(self, tensor, packed, sparse, worker):
@@ -800,7 +793,6 @@ class _Wire:
         if worker is not None:
             worker = tf.cast(tf.round(wire[offset]), tf.int64)
             offset += 1
-        offset += sum(r.shape.num_elements() for r in self._riders)
         at = tf.constant(offset, tf.int32)
         for j, i in enumerate(self._sparse):
             n = rows[j]
