@@ -150,6 +150,18 @@ for _name in ("repeats", "steps_per_function", "straggler_functions"):
     )
 
 
+def _positive_ints(values) -> bool:
+    return all(v.strip().isdigit() and int(v) > 0 for v in values)
+
+
+for _name in ("scaling_workers", "model_widths", "memory_workers"):
+    flags.register_validator(
+        _name,
+        _positive_ints,
+        message=f"--{_name} must be a list of positive integers.",
+    )
+
+
 @dataclasses.dataclass
 class Settings:
     """The run's parameters, from the flags."""

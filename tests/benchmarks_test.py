@@ -15,6 +15,7 @@ import time
 from unittest import mock
 
 from absl.testing import absltest
+from absl.testing import parameterized
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HARNESS = os.path.join(_ROOT, "benchmarks", "harness.py")
@@ -180,6 +181,23 @@ class HarnessSmokeTest(absltest.TestCase):
             proc.wait(30)
         self.assertLen(started, 4)
         _wait_gone(self, started)
+
+
+class FlagTest(parameterized.TestCase):
+    @parameterized.parameters(
+        ("--memory_workers=0", "--memory_workers=['0']"),
+        ("--scaling_workers=1,x", "--scaling_workers=['1', 'x']"),
+        ("--workloads=w9", "--workloads: unknown ['w9']"),
+    )
+    def test_bad_flags_are_refused_naming_the_flag(self, flag, named):
+        proc = subprocess.run(
+            [sys.executable, _HARNESS, "--smoke", flag],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn(named, proc.stderr)
 
 
 class ReportTest(absltest.TestCase):
