@@ -113,6 +113,9 @@ _SCALING_WORKERS = flags.DEFINE_list(
 _MEMORY_WORKERS = flags.DEFINE_list(
     "memory_workers", ["1", "2", "3", "4"], "Worker counts (memory)."
 )
+_MEMORY_REPEATS = flags.DEFINE_integer(
+    "memory_repeats", 3, "Runs of each memory cell (medians of the state)."
+)
 _ACCURACY_TARGET = flags.DEFINE_float(
     "accuracy_target", 0.95, "Held-out accuracy to reach on digits."
 )
@@ -144,7 +147,12 @@ _FROM_JSONL = flags.DEFINE_string(
 )
 
 
-for _name in ("repeats", "steps_per_function", "straggler_functions"):
+for _name in (
+    "repeats",
+    "steps_per_function",
+    "straggler_functions",
+    "memory_repeats",
+):
     flags.register_validator(
         _name, lambda v: v > 0, message=f"--{_name} must be positive."
     )
@@ -180,6 +188,7 @@ class Settings:
     scaling_workers: list
     model_widths: list
     memory_workers: list
+    memory_repeats: int
     accuracy_target: float
     accuracy_epochs: int
 
@@ -216,6 +225,7 @@ def _settings() -> Settings:
         scaling_workers=[int(n) for n in given(_SCALING_WORKERS, ["1", "2"])],
         model_widths=[int(n) for n in given(_MODEL_WIDTHS, ["64", "256"])],
         memory_workers=[int(n) for n in given(_MEMORY_WORKERS, ["1", "2"])],
+        memory_repeats=given(_MEMORY_REPEATS, 1),
         accuracy_target=_ACCURACY_TARGET.value,
         accuracy_epochs=given(_ACCURACY_EPOCHS, 2),
     )

@@ -175,6 +175,10 @@ _MEMORY_ENV = {
 def scenario_memory(bench, workload="w3"):
     """RSS of a subprocess ps on w3, tf2sync with 1..4 workers.
 
+    Every cell is measured `memory_repeats` times on a fresh cluster, the
+    cells interleaved (all once, then all again): one reading of a
+    cell moved by up to 6 MB between runs, as much as a target's margin.
+
     Then stock PSS with the same optimizer, in both function forms, with
     the fewest and the most workers (the references), and two controls:
     tf2sync with an embedding 4 x as large (`w3_x4`: what of the growth
@@ -197,7 +201,9 @@ def scenario_memory(bench, workload="w3"):
     cells += [("tf2sync_loop", n, s.optimizer, "w3_x4") for n in ends]
     cells.append(("pss_async", most, "keras", workload))
     functions = min(s.functions[workload], MEMORY_FUNCTIONS)
-    for system, n, kind, cell_workload in cells:
+    for repeat, (system, n, kind, cell_workload) in (
+        (repeat, cell) for repeat in range(s.memory_repeats) for cell in cells
+    ):
         base = {
             "scenario": "memory",
             "workload": cell_workload,
@@ -205,6 +211,7 @@ def scenario_memory(bench, workload="w3"):
             "optimizer": kind,
             "steps_per_function": s.k,
             "functions": functions,
+            "repeat": repeat,
         }
         name = f"memory_{system}_{kind}_{cell_workload}_{n}w"
         spec, tasks = bench.start_tasks(name, n, env=_MEMORY_ENV)

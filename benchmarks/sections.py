@@ -292,12 +292,36 @@ def _peak_mb(r):
     return (r["hwm_run_kb"] - r["rss_state_kb"]) / 1e3
 
 
-def _growth_per_worker(rows):
-    rows = sorted(rows, key=lambda r: r["workers"])
-    added = rows[-1]["workers"] - rows[0]["workers"] if rows else 0
+def _memory_cells(records):
+    """One row per memory cell (system, workers, optimizer, workload), in
+    the order measured: the median state over its repeats (one RSS reading
+    moves by MBs between runs), the largest per-step peak, its runs."""
+    cells = {}
+    for r in _memory_rows(records):
+        key = (r["system"], r["workers"], r["optimizer"], r["workload"])
+        cells.setdefault(key, []).append(r)
+    return [
+        {
+            "system": system,
+            "workers": workers,
+            "optimizer": optimizer,
+            "workload": workload,
+            "idle_mb": median([r["rss_idle_kb"] / 1e3 for r in rs]),
+            "state_mb": median([_state_mb(r) for r in rs]),
+            "peak_mb": max(_peak_mb(r) for r in rs),
+            "peak_reset": all(r["peak_reset"] for r in rs),
+            "runs": len(rs),
+        }
+        for (system, workers, optimizer, workload), rs in cells.items()
+    ]
+
+
+def _growth_per_worker(cells):
+    cells = sorted(cells, key=lambda c: c["workers"])
+    added = cells[-1]["workers"] - cells[0]["workers"] if cells else 0
     if not added:
         return None
-    return (_state_mb(rows[-1]) - _state_mb(rows[0])) / added
+    return (cells[-1]["state_mb"] - cells[0]["state_mb"]) / added
 
 
 # Stock PSS with the same function form as each tf2sync loop: the step
@@ -313,14 +337,14 @@ MEMORY_REFERENCE = {
 def memory_summary(records, system="tf2sync_loop"):
     """`system`'s (state growth per added worker beyond that of stock PSS
     in the same function form, largest per-step peak), in MB, on w3."""
-    found = [r for r in _memory_rows(records) if r["workload"] == "w3"]
-    ours = [r for r in found if r["system"] == system]
+    found = [c for c in _memory_cells(records) if c["workload"] == "w3"]
+    ours = [c for c in found if c["system"] == system]
     kind = ours[0]["optimizer"] if ours else None
     stock = [
-        r
-        for r in found
-        if r["system"] == MEMORY_REFERENCE.get(system, "pss_async")
-        and r["optimizer"] == kind
+        c
+        for c in found
+        if c["system"] == MEMORY_REFERENCE.get(system, "pss_async")
+        and c["optimizer"] == kind
     ]
     growth = _growth_per_worker(ours)
     reference = _growth_per_worker(stock)
@@ -328,7 +352,7 @@ def memory_summary(records, system="tf2sync_loop"):
         growth -= reference
     else:
         growth = None
-    return growth, max((_peak_mb(r) for r in ours), default=None)
+    return growth, max((c["peak_mb"] for c in ours), default=None)
 
 
 def memory_growth_with_table(records, system="tf2sync_loop"):
@@ -339,9 +363,9 @@ def memory_growth_with_table(records, system="tf2sync_loop"):
     for workload in ("w3", "w3_x4"):
         growth[workload] = _growth_per_worker(
             [
-                r
-                for r in _memory_rows(records)
-                if r["system"] == system and r["workload"] == workload
+                c
+                for c in _memory_cells(records)
+                if c["system"] == system and c["workload"] == workload
             ]
         )
     if None in growth.values():
@@ -350,24 +374,25 @@ def memory_growth_with_table(records, system="tf2sync_loop"):
 
 
 def memory_section(records) -> list[str]:
-    found = _memory_rows(records)
+    found = _memory_cells(records)
     if not found:
         return []
     rows = [
         [
-            r["system"],
-            r["workers"],
-            r["optimizer"],
-            f"{EMBEDDING_ROWS[r['workload']]:,}",
-            fmt(r["rss_idle_kb"] / 1e3, ".1f"),
-            fmt(_state_mb(r), ".1f"),
-            fmt(_peak_mb(r), ".1f") + ("" if r["peak_reset"] else " (*)"),
+            c["system"],
+            c["workers"],
+            c["optimizer"],
+            f"{EMBEDDING_ROWS[c['workload']]:,}",
+            fmt(c["idle_mb"], ".1f"),
+            fmt(c["state_mb"], ".1f"),
+            fmt(c["peak_mb"], ".1f") + ("" if c["peak_reset"] else " (*)"),
+            c["runs"],
         ]
-        for r in found
+        for c in found
     ]
     header = ["system", "workers", "optimizer", "embedding rows"]
     header += ["ps RSS idle MB"]
-    header += ["state MB", "per-step peak MB"]
+    header += ["state MB", "per-step peak MB", "runs"]
     return [
         f"w3; the ps is a process of its own (`python -m tf2sync "
         f"--job_name=ps`, run with TF_ENABLE_ONEDNN_OPTS=0 and glibc "
@@ -378,7 +403,9 @@ def memory_section(records) -> list[str]:
         "chief connected (variables, slots, accumulators, functions). "
         "*per-step peak*: peak RSS during the timed run minus "
         "RSS before it (peak reset through /proc/PID/clear_refs; (*) where "
-        "that failed). Stock PSS with the same optimizer and the same "
+        "that failed). Each cell is a fresh cluster, measured *runs* times "
+        "(the cells interleaved): idle and state are medians, the peak "
+        "the largest. Stock PSS with the same optimizer and the same "
         "function form is the reference (the target compares tf2sync's "
         "state growth per added worker with its: `pss_async_unrolled` for "
         "`tf2sync_loop`, `pss_async` for `tf2sync_loop_while`; the ps holds "

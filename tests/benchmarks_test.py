@@ -186,6 +186,7 @@ class HarnessSmokeTest(absltest.TestCase):
 class FlagTest(parameterized.TestCase):
     @parameterized.parameters(
         ("--memory_workers=0", "--memory_workers=['0']"),
+        ("--memory_repeats=0", "--memory_repeats must be positive"),
         ("--scaling_workers=1,x", "--scaling_workers=['1', 'x']"),
         ("--workloads=w9", "--workloads: unknown ['w9']"),
     )
@@ -230,7 +231,9 @@ class ReportTest(absltest.TestCase):
     def test_memory_targets_compare_growth_per_worker(self):
         report = _load_report()
 
-        def cell(system, workers, state_mb, workload="w3", kind="legacy"):
+        def cell(
+            system, workers, state_mb, workload="w3", kind="legacy", peak=2.0
+        ):
             return {
                 "scenario": "memory",
                 "workload": workload,
@@ -241,10 +244,11 @@ class ReportTest(absltest.TestCase):
                 "anon_idle_kb": 200_000,
                 "rss_state_kb": 600_000 + state_mb * 1000,
                 "anon_state_kb": 200_000 + state_mb * 1000,
-                "hwm_run_kb": 600_000 + state_mb * 1000 + 2000,
+                "hwm_run_kb": 600_000 + state_mb * 1000 + peak * 1000,
+                "peak_reset": True,
             }
 
-        def rows(x4_state_mb):
+        def rows(x4_state_mb, extra=()):
             records = [
                 cell("pss_async", 1, 30),
                 cell("pss_async", 4, 33),  # stock: 1 MB per worker
@@ -257,6 +261,7 @@ class ReportTest(absltest.TestCase):
                 cell("tf2sync_loop_while", 4, 44),  # 4: 3 beyond
                 cell("tf2sync_loop", 1, 110, "w3_x4"),
                 cell("tf2sync_loop", 4, x4_state_mb, "w3_x4"),
+                *extra,
             ]
             found = {t["target"]: t for t in report.targets(records)}
             return {k: v for k, v in found.items() if "memory" in k}
@@ -285,6 +290,38 @@ class ReportTest(absltest.TestCase):
         found = rows(x4_state_mb=122.0 + 3 * 51.2)
         self.assertEqual(
             (found[table]["measured"], found[table]["result"]), ("51.2", "MISS")
+        )
+
+        # Repeated cells: the state is their median, the peak their largest.
+        # Stock's 4-worker cell read low once (2 MB per worker less), as
+        # single readings did in real runs: the median keeps the reference.
+        found = rows(
+            x4_state_mb=122.0,
+            extra=[
+                cell("pss_async_unrolled", 4, 37),
+                cell("pss_async_unrolled", 4, 31),
+                cell("tf2sync_loop", 4, 47, peak=9.0),
+                cell("tf2sync_loop", 4, 48),
+            ],
+        )
+        beyond = found[
+            "ps memory: tf2sync_loop state growth per added worker, "
+            "beyond pss_async_unrolled's (MB)"
+        ]
+        self.assertEqual(
+            (beyond["measured"], beyond["result"]), ("2.0", "PASS")
+        )
+        peak = found["ps memory: tf2sync largest per-step peak (MB)"]
+        self.assertEqual(peak["measured"], "9.0")
+        section = "\n".join(
+            report.sections.memory_section(
+                [cell("tf2sync_loop", 4, 47), cell("tf2sync_loop", 4, 60)]
+                + [cell("tf2sync_loop", 4, 48)]
+            )
+        )
+        self.assertIn(
+            "| tf2sync_loop | 4 | legacy | 100,000 | 600.0 | 48.0 | 2.0 | 3 |",
+            section,
         )
 
 
