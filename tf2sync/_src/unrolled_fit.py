@@ -33,7 +33,7 @@ def unroll_fit_steps(model, enabled: bool = True):
     are fetched (at the end of an epoch, after its `join`: exact) rather
     than returned by every push. On the w1 MLP (2 workers + 1 ps, 2 cores)
     `fit` measured 1.9-2.3 x the examples per second of tf_keras's loop,
-    and on the w3 embedding 1.2-1.5 x, in the last five harness runs
+    and on the w3 embedding 1.2-1.5 x, in the last six harness runs
     (`docs/benchmarks.md`).
 
     Under `tf2sync.SyncParameterServerStrategy`, `fit` does this by
