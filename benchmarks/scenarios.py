@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import procs
@@ -175,10 +176,6 @@ _MEMORY_ENV = {
 def scenario_memory(bench, workload="w3"):
     """RSS of a subprocess ps on w3, tf2sync with 1..4 workers.
 
-    Every cell is measured `memory_repeats` times on a fresh cluster, the
-    cells interleaved (all once, then all again): one reading of a
-    cell moved by up to 6 MB between runs, as much as a target's margin.
-
     Then stock PSS with the same optimizer, in both function forms, with
     the fewest and the most workers (the references), and two controls:
     tf2sync with an embedding 4 x as large (`w3_x4`: what of the growth
@@ -186,6 +183,10 @@ def scenario_memory(bench, workload="w3"):
     per-step buffers of the embedding's size: stock PSS with
     `tf.keras.optimizers.SGD`, whose momentum rewrites the whole table
     every step.
+
+    Every cell is measured `memory_repeats` times on a fresh cluster, the
+    cells interleaved (all once, then all again): one reading of a cell
+    moved by up to 6 MB between runs, as much as a target's margin.
     """
     s = bench.s
     fewest, most = min(s.memory_workers), max(s.memory_workers)
@@ -201,8 +202,8 @@ def scenario_memory(bench, workload="w3"):
     cells += [("tf2sync_loop", n, s.optimizer, "w3_x4") for n in ends]
     cells.append(("pss_async", most, "keras", workload))
     functions = min(s.functions[workload], MEMORY_FUNCTIONS)
-    for repeat, (system, n, kind, cell_workload) in (
-        (repeat, cell) for repeat in range(s.memory_repeats) for cell in cells
+    for repeat, (system, n, kind, cell_workload) in itertools.product(
+        range(s.memory_repeats), cells
     ):
         base = {
             "scenario": "memory",

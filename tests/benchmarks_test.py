@@ -14,6 +14,7 @@ import tempfile
 import time
 from unittest import mock
 
+import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 
@@ -63,6 +64,7 @@ def _wait_gone(test, started, seconds=15.0):
     test.assertEqual(left, [], "processes left running")
 
 
+@pytest.mark.slow
 @absltest.skipUnless(sys.platform.startswith("linux"), "reads /proc")
 class HarnessSmokeTest(absltest.TestCase):
     def _tempdir(self):
@@ -131,6 +133,35 @@ class HarnessSmokeTest(absltest.TestCase):
         )
         self.assertEqual(done[0]["alive"], [])
         _wait_gone(self, started, seconds=1.0)
+
+    def test_memory_scenario_measures_each_cell_repeatedly(self):
+        _, out, records = self._smoke(
+            "--scenarios=memory", "--memory_workers=1", "--memory_repeats=2"
+        )
+        runs = [
+            r
+            for r in records
+            if r.get("scenario") == "memory" and "rss_state_kb" in r
+        ]
+        # tf2sync's two loop forms, stock PSS in both, the 4 x table, and
+        # stock with tf.keras' SGD: 6 cells, each once before any again.
+        cells = [(r["system"], r["optimizer"], r["workload"]) for r in runs]
+        self.assertLen(set(cells), 6)
+        self.assertEqual(cells[:6], cells[6:])
+        self.assertEqual([r["repeat"] for r in runs], [0] * 6 + [1] * 6)
+        for r in runs:
+            self.assertGreater(r["anon_state_kb"], r["anon_idle_kb"], r)
+        with open(os.path.join(out, "benchmarks.md")) as f:
+            markdown = f.read()
+        self.assertIn("| state MB | per-step peak MB | runs |", markdown)
+        rows = [
+            line
+            for line in markdown.splitlines()
+            if line.startswith(("| tf2sync_loop", "| pss_async"))
+        ]
+        self.assertLen(rows, 6)
+        for line in rows:
+            self.assertEndsWith(line, "| 2 |")
 
     def test_model_size_scenario_reports_each_width(self):
         _, out, records = self._smoke(
