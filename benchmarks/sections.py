@@ -359,15 +359,13 @@ def memory_growth_with_table(records, system="tf2sync_loop"):
     """MB: `system`'s state growth per added worker with w3_x4's embedding
     minus the same with w3's (0 when nothing per worker grows with the
     table), or None."""
-    growth = {}
-    for workload in ("w3", "w3_x4"):
-        growth[workload] = _growth_per_worker(
-            [
-                c
-                for c in _memory_cells(records)
-                if c["system"] == system and c["workload"] == workload
-            ]
+    cells = [c for c in _memory_cells(records) if c["system"] == system]
+    growth = {
+        workload: _growth_per_worker(
+            [c for c in cells if c["workload"] == workload]
         )
+        for workload in ("w3", "w3_x4")
+    }
     if None in growth.values():
         return None
     return growth["w3_x4"] - growth["w3"]

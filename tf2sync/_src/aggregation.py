@@ -726,11 +726,12 @@ class _Wire:
         self._worker = worker
         self.has_worker = worker is not None
         self._device = device
-        self._riders = []
         self.tensor = None
-        if not (self._dense or self._sparse):
-            return  # the worker index alone gains nothing
-        self._riders = list(riders)
+        # The worker index alone gains nothing, and riders need a wire.
+        carries = bool(self._dense or self._sparse)
+        self._riders = list(riders) if carries else []
+        if not carries:
+            return
         parts = []
         if self._sparse:
             parts.append(

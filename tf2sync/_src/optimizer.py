@@ -342,10 +342,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             check_finite=self._nonfinite != "raise",
             worker=step.worker,
             stats=step.want_stats,
-            # Only from the step's own graph (not a function nested in it).
-            riders_from=step.first_op
-            if tf.compat.v1.get_default_graph() is step.graph
-            else None,
+            riders_from=step.first_op_here(),
         )
         return applied
 

@@ -35,11 +35,18 @@ class StepContext:
         self.tag = tag
         self.worker = worker
         # Where the step's ops start: its graph, and its first op's index.
-        self.graph = tf.compat.v1.get_default_graph()
-        self.first_op = first_op
+        self._graph = tf.compat.v1.get_default_graph()
+        self._first_op = first_op
         self.pushed = False
         self.want_stats = want_stats  # whether the push reads the counters
         self.stats = None  # set by the push: counters read on the ps
+
+    def first_op_here(self):
+        """The index of the step's first op if the current graph is the
+        step's own (not a function nested in it), else None."""
+        if tf.compat.v1.get_default_graph() is self._graph:
+            return self._first_op
+        return None
 
 
 def current_step():
