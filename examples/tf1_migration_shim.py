@@ -11,7 +11,7 @@ worker `train_op = tf.group(*train_ops)`, one hook per optimizer. Ported:
   optimizers form one round, each worker step takes one token after all
   its pushes, and `global_step` rises by 1 per round;
 * the hooks go: the coordinator starts the chief's part (seeds the steps,
-  enqueues the initial tokens, starts the round thread) before the first
+  enqueues the initial tokens, starts the token watchdog) before the first
   scheduled step runs. TF1's `hook.begin()` / `after_create_session()`
   still work if a codebase keeps them.
 

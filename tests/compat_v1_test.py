@@ -41,7 +41,6 @@ class _Harness:
             total_num_replicas=total,
             token_timeout=timeout,
         )
-        self.strategy._tf2sync_worker_ids = True
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
             self.strategy
         )
@@ -72,7 +71,7 @@ class _Harness:
 
         strategy, opt = self.strategy, self.opt
         gs = self.global_step
-        variables = [self.v0, self.v1, self.v_sparse]
+        variables = self.variables = [self.v0, self.v1, self.v_sparse]
 
         @tf.function
         def step(w):
@@ -150,7 +149,7 @@ class _Harness:
         return int(self.opt.local_steps.numpy()[w])
 
     def close(self):
-        if self.opt._round is not None:  # stop the round thread, hooks or not
+        if self.opt._protocol is not None:  # stop the watchdog, hooks or not
             self.opt.make_session_run_hook(True).end()
 
 
@@ -263,10 +262,11 @@ class MultiOptimizerTest(absltest.TestCase):
             self.assertEqual(int(h.opt._sync_token_queue.size()), 2)
         else:  # the coordinator starts the round before the first step
             h.trace()
-            self.assertFalse(h.opt._round.started)
+            self.assertFalse(h.opt._protocol.started)
         expected = self._expected(2)
         # One token queue, local steps and round for all three.
-        self.assertLen({id(o._round) for o in h.opts}, 1)
+        self.assertLen({id(o._protocol) for o in h.opts}, 1)
+        self.assertLen({id(o._sync_token_queue) for o in h.opts}, 1)
 
         # Phase 1: sequential, the initial tokens let both pass.
         self.assertEqual(h.run(0), 0)
@@ -312,7 +312,7 @@ class MultiOptimizerTest(absltest.TestCase):
 
     def test_no_hook_called(self):
         self._check([False, False, True], hooks=False)
-        self.assertTrue(self.harness.opt._round.started)
+        self.assertTrue(self.harness.opt._protocol.started)
 
     def test_no_global_step_in_the_step(self):
         h = self.harness = _MultiHarness([False, False, False])
@@ -408,22 +408,17 @@ class SyncReplicasTest(absltest.TestCase):
         h = self.harness = _Harness(rta=2, total=2, num_tokens=2)
         h.trace()
         opt = h.opt
-        accumulators = opt._accumulators()
-        self.assertLen(accumulators, 3)
-        sync_round, local_steps = opt._round, opt.local_steps
+        self.assertLen(opt._accumulator_list, 3)
+        aggregator, local_steps = opt._protocol.aggregator, opt.local_steps
         # A second input signature, and a new tf.function over the same
         # optimizer, both retrace apply_gradients.
         h.step.get_concrete_function(tf.TensorSpec([], tf.int32))
         step2 = tf.function(h.step.python_function)
         step2.get_concrete_function(tf.TensorSpec([], tf.int64))
-        self.assertLen(opt._states, 1)
-        self.assertEqual(
-            [id(a) for a in opt._accumulators()],
-            [id(a) for a in accumulators],
-        )
-        self.assertIs(opt._round, sync_round)
+        self.assertLen(opt._accumulator_list, 3)
+        self.assertIs(opt._protocol.aggregator, aggregator)
         self.assertIs(opt.local_steps, local_steps)
-        self.assertLen(sync_round.members, 1)
+        self.assertLen(opt._protocol.members, 1)
         h.start()
         # Training still matches test2Workers phase 1, across both traces.
         h.coordinator.schedule(step2, args=(tf.constant(0, tf.int64),))
@@ -497,7 +492,7 @@ class SyncReplicasTest(absltest.TestCase):
         h = self.harness = _Harness(rta=2, total=2, num_tokens=2)
         h.start()
         rounds = 4
-        accumulator = h.opt._accumulators()[0]
+        accumulator = h.opt._accumulator_list[0][0]
         for _ in range(rounds):
             h.schedule(0)
             h.schedule(1)
@@ -528,15 +523,76 @@ class SyncReplicasTest(absltest.TestCase):
         self.assertTrue(done.wait(60), "the step hung on the lost tokens")
         # One token is needed; two if the watchdog fired before the push
         # landed (a slow first dispatch): surplus tokens are safe.
-        self.assertBetween(h.opt._round.watchdog.released, 1, 2)
+        self.assertBetween(h.opt._protocol.watchdog.released, 1, 2)
         # The released token carries the current global step; the push
         # waits in the accumulator for the round's second gradient.
         self.assertEqual(int(result.fetch()), 0)
         self.assertEqual(int(h.global_step.numpy()), 0)
-        self.assertEqual(int(h.opt._accumulators()[0].num_accumulated()), 1)
+        pending = h.opt._accumulator_list[0][0].num_accumulated()
+        self.assertEqual(int(pending), 1)
         h.run(1)
         h.wait_global_step(1)
         self.assertAlmostEqual(float(h.v0.numpy()), -0.4, places=5)
+
+    def test_slots_and_variables_right_after_apply_gradients(self):
+        # TF1 creates them when `apply_gradients` builds the train op; the
+        # first trace is that moment here, before any round ran.
+        h = self.harness = _Harness(
+            rta=2,
+            total=2,
+            inner=lambda: tf.compat.v1.train.MomentumOptimizer(0.1, 0.9),
+        )
+        h.trace()
+        self.assertEqual(h.opt.get_slot_names(), ["momentum"])
+        for var in (h.v0, h.v1, h.v_sparse):
+            slot = h.opt.get_slot(var, "momentum")
+            self.assertIsNotNone(slot, var.name)
+            self.assertEqual(slot.shape, var.shape)
+        self.assertLen(h.opt.variables(), 3)
+        self.assertEqual(int(h.opt.rounds.numpy()), 0)
+
+    def test_eager_apply_gradients_after_the_round_started(self):
+        h = self.harness = _Harness(rta=2, total=2, num_tokens=2)
+        h.start()
+        sparse = tf.IndexedSlices(
+            tf.constant([[0.1]]),
+            tf.constant([1], tf.int64),
+            tf.constant([2, 1], tf.int64),
+        )
+        with h.strategy.scope():
+            # Worker 0's gradients of the fixture, eagerly: one step, its
+            # push first, then a token (one of the initial two).
+            token = h.opt.apply_gradients(
+                zip([tf.constant(0.1), tf.constant(0.9), sparse], h.variables),
+                h.global_step,
+            )
+        self.assertEqual(int(token), 0)
+        self.assertEqual(int(h.global_step.numpy()), 0)
+        h.run(1)  # worker 1's push completes the round
+        h.wait_global_step(1)
+        self.assertAlmostEqual(float(h.v0.numpy()), -0.4, places=5)
+        self.assertAlmostEqual(float(h.v1.numpy()), -1.0, places=5)
+        np.testing.assert_allclose(
+            h.v_sparse.numpy(), [[3.0], [3.6]], rtol=1e-6
+        )
+
+    def test_num_accumulated_counts_a_push_until_the_round_applies(self):
+        h = self.harness = _Harness(rta=2, total=2, num_tokens=2)
+        h.start()
+        accumulators = [acc for acc, _ in h.opt._accumulator_list]
+        self.assertLen(accumulators, 3)  # v0, v1 and the sparse one
+        h.run(0)
+        # Nothing takes the push away before the round: the sparse count
+        # (and the watchdog's) still reads 1 later on.
+        time.sleep(0.5)
+        self.assertEqual(
+            [int(a.num_accumulated()) for a in accumulators], [1] * 3
+        )
+        h.run(1)
+        h.wait_global_step(1)
+        self.assertEqual(
+            [int(a.num_accumulated()) for a in accumulators], [0] * 3
+        )
 
     def test_errors(self):
         opt = compat_v1.SyncReplicasOptimizer(
@@ -647,7 +703,7 @@ class DifferentialTest(absltest.TestCase):
         )
         try:
             h.start()
-            accumulator = h.opt._states[0].accumulators[0]
+            accumulator = h.opt._accumulator_list[0][0]
             got = []
             for phase in sequence:
                 for w in phase:

@@ -10,7 +10,6 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import tf2sync
-from tf2sync._src import loops
 from tf2sync._src import unrolled_fit
 
 
@@ -67,15 +66,16 @@ class FitTest(parameterized.TestCase):
     def test_fit_matches_full_batch_reference(
         self, spe, steps_per_epoch, unroll=None, group=None
     ):
-        if group:
-            self.enter_context(
-                mock.patch.object(loops, "MAX_UNROLLED_STEPS", group)
-            )
         # Every worker sees the same full batch, so any 2 fresh gradients
         # average to the full-batch gradient: U updates must equal U
         # single-process full-batch steps, whatever the interleaving.
         epochs = 2
-        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        options = (
+            tf2sync.SyncOptions(max_unrolled_steps=group) if group else None
+        )
+        strategy = testutil.strategy(
+            2, replicas_to_aggregate=2, options=options
+        )
         opt_fn = lambda: tf.keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
         with strategy.scope():
             model = testutil.dense_model()
@@ -194,7 +194,7 @@ class FitTest(parameterized.TestCase):
 
     def test_steps_of_a_call_come_from_fits_data_handler(self):
         model = _compiled(steps_per_execution=10)
-        handler = mock.Mock(_step_increment=3)  # a last call of 4 steps
+        handler = mock.Mock(step_increment=3)  # a last call of 4 steps
 
         class Caller:
             def fit(self, data_handler):

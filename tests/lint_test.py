@@ -11,6 +11,27 @@ from absl.testing import absltest
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The one module of tf2sync that may use private TensorFlow / tf_keras API.
+_TF_INTERNALS = "tf2sync/_src/tf_internals.py"
+
+# An import of a private TF / tf_keras path: `from tensorflow.python...`,
+# `import tensorflow.python... [as ...]`, `from tensorflow import python`,
+# and the same through `__import__(...)` or `importlib.import_module(...)`.
+_PRIVATE_IMPORT = re.compile(
+    r"^[ \t]*(from|import) (tensorflow\.python|tf_keras\.src)\b"
+    r"|^[ \t]*from (tensorflow|tf_keras) import [^#\n]*\b(python|src)\b"
+    r"|(__import__|import_module)\(\s*[\"'](tensorflow\.python|tf_keras\.src)",
+    re.M,
+)
+
+
+def private_imports(text):
+    """The line numbers of `text` that import a private TF/tf_keras path."""
+    return [
+        text.count("\n", 0, m.start()) + 1
+        for m in _PRIVATE_IMPORT.finditer(text)
+    ]
+
 
 def _ruff():
     found = shutil.which("ruff", path=os.path.dirname(sys.executable))
@@ -33,6 +54,46 @@ class LintTest(absltest.TestCase):
     def test_ruff_check(self):
         out = self._run("check", ".")
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+
+    def test_only_tf_internals_imports_private_tf_paths(self):
+        found = {}
+        for path in glob.glob(
+            os.path.join(_ROOT, "tf2sync/**/*.py"), recursive=True
+        ):
+            name = os.path.relpath(path, _ROOT).replace(os.sep, "/")
+            if name == _TF_INTERNALS:
+                continue
+            with open(path) as f:
+                lines = private_imports(f.read())
+            if lines:
+                found[name] = lines
+        self.assertEqual(
+            found,
+            {},
+            "These modules import private TensorFlow / tf_keras paths "
+            "(tensorflow.python, tf_keras.src): add a function to "
+            f"{_TF_INTERNALS} and call it instead (file: line numbers).",
+        )
+
+    def test_private_import_pattern(self):
+        for line in (
+            "from tensorflow.python.ops import resource_variable_ops",
+            "import tensorflow.python as tfp",
+            "    from tf_keras.src.engine import training",
+            "import tf_keras.src.engine.training",
+            "from tensorflow import python as tf_python",
+            'ops = importlib.import_module("tensorflow.python.ops")',
+            "x = __import__('tf_keras.src.engine')",
+        ):
+            self.assertEqual(private_imports(line), [1], line)
+        for line in (
+            "import tensorflow as tf",
+            "import tf_keras",
+            "from tf2sync import SyncOptions",
+            "# from tensorflow.python import x, in a comment",
+            "from tensorflow import keras  # the python API",
+        ):
+            self.assertEqual(private_imports(line), [], line)
 
     def test_build_names_every_python_file(self):
         with open(os.path.join(_ROOT, "BUILD")) as f:

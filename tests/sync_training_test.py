@@ -264,7 +264,7 @@ class PushInputsTest(absltest.TestCase):
 
 class WireTest(absltest.TestCase):
     def test_a_push_crosses_as_one_tensor_and_arrives_exact(self):
-        from tf2sync._src import aggregation
+        from tf2sync._src import wire as wire_lib
 
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         with strategy.scope():
@@ -293,7 +293,7 @@ class WireTest(absltest.TestCase):
         worker = tf.constant(1, tf.int64)
         # Riders follow the sparse rows, whose size is known only there.
         riders = [tf.constant([[1.5, -2.0]]), tf.constant(7.0)]
-        wire = aggregation._Wire(
+        wire = wire_lib.Wire(
             aggregator.device, layout, packed, sparse, worker, riders
         )
         self.assertEqual(wire.tensor.dtype, tf.float32)

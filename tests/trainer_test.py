@@ -1,7 +1,6 @@
 """tf2sync.Trainer: hooks, callbacks, checkpoints and exact resume."""
 
 import tempfile
-from unittest import mock
 
 import tensorflow as tf
 import testutil
@@ -9,7 +8,6 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import tf2sync
-from tf2sync._src import loops
 
 _X, _Y = testutil.data("dense", 32)
 
@@ -159,13 +157,15 @@ class TrainerTest(parameterized.TestCase):
     def test_tf1_shim_trains_and_resumes_on_the_exact_trajectory(
         self, use_tf_while_loop
     ):
-        self.enter_context(mock.patch.object(loops, "MAX_UNROLLED_STEPS", 2))
-
         # Both workers see the same full batch: every accepted gradient is
         # the full-batch gradient at the current weights, so U rounds give
         # U single-process steps of TF1's momentum, across a resume too.
         def parts(seed):
-            strategy = testutil.strategy(2, replicas_to_aggregate=2)
+            strategy = testutil.strategy(
+                2,
+                replicas_to_aggregate=2,
+                options=tf2sync.SyncOptions(max_unrolled_steps=2),
+            )
             with strategy.scope():
                 model = testutil.dense_model(seed)
                 optimizer = tf2sync.compat.v1.SyncReplicasOptimizer(
@@ -234,16 +234,17 @@ class TrainerTest(parameterized.TestCase):
 
     def test_default_loop_repeats_the_step_in_groups(self):
         # Steps beyond one group: a tf.while_loop over groups of copies
-        # (here 3), the rest unrolled after it; the same steps as a loop of
-        # single steps.
-        self.enter_context(mock.patch.object(loops, "MAX_UNROLLED_STEPS", 3))
+        # (here 3, the trainer's options overriding the strategy's), the
+        # rest unrolled after it; the same steps as a loop of single steps.
         parts = _parts()
         _trainer(parts, 4, use_tf_while_loop=True).train(
             _dataset_fn, epochs=2, steps_per_epoch=8
         )
         expected = parts[1].get_weights()
         parts = _parts()
-        grouped = _trainer(parts, 8)  # 2 groups of 3 in a loop, then 2
+        grouped = _trainer(  # 2 groups of 3 in a loop, then 2
+            parts, 8, options=tf2sync.SyncOptions(max_unrolled_steps=3)
+        )
         history = grouped.train(_dataset_fn, epochs=2, steps_per_epoch=8)
         self.assertEqual(history.history["sync_steps"], [4, 8])
         self.assertLess(

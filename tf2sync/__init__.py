@@ -17,6 +17,7 @@ _loss_scale.install()
 from tf2sync._src.callbacks import SyncMetrics  # noqa: E402
 from tf2sync._src.multi_optimizer import MultiOptimizer  # noqa: E402
 from tf2sync._src.optimizer import SyncOptimizer  # noqa: E402
+from tf2sync._src.options import SyncOptions  # noqa: E402
 from tf2sync._src.strategy import SyncParameterServerStrategy  # noqa: E402
 from tf2sync._src.trainer import Trainer  # noqa: E402
 from tf2sync._src.unrolled_fit import unroll_fit_steps  # noqa: E402
@@ -28,6 +29,7 @@ __all__ = [
     "MultiOptimizer",
     "SyncMetrics",
     "SyncOptimizer",
+    "SyncOptions",
     "SyncParameterServerStrategy",
     "Trainer",
     "testing",

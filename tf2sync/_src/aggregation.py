@@ -24,6 +24,13 @@ The protocol, for one synchronous optimizer with global step `g` (its
      `max(M, N)` tokens.
 4. A step that pushes nothing (evaluation) puts its token back.
 
+TF1's order (the `compat_v1` shim) uses the same barrier the other way
+round: the tag is the worker's local step, the push comes first, and the
+step then takes a token (`take_token`) carrying the global step after the
+update it waited for, which becomes the worker's next local step. The
+options `initial_tokens` and `sparse_mean="rows"` give TF1's start (the
+chief's own init tokens) and TF1's per-row mean of sparse gradients.
+
 Guarantees: each update is applied exactly once (the critical section
 serialises pushes and only one push can bring the count to `N`); `g` rises
 by exactly 1 per update; a gradient tagged with an older step is never
@@ -34,17 +41,17 @@ step `g`.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import threading
 import weakref
 
-import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
 
+from tf2sync._src import barrier as barrier_lib
+from tf2sync._src import graph_rewrites
 from tf2sync._src import loops
+from tf2sync._src import tf_internals
 from tf2sync._src import watchdog
+from tf2sync._src import wire as wire_lib
 
 _STATE = threading.local()
 
@@ -67,84 +74,6 @@ def sync_apply_scope():
     return _SyncApplyScope()
 
 
-def _ps_variable(initial_value, device, name, dtype=None):
-    """A plain resource variable on `device`, outside any strategy creator."""
-    with tf.init_scope(), tf.device(device):
-        return resource_variable_ops.ResourceVariable(
-            initial_value, trainable=False, name=name, dtype=dtype
-        )
-
-
-@dataclasses.dataclass
-class _DenseGroup:
-    """Dense gradients of the variables on one ps with one dtype, packed."""
-
-    device: str
-    dtype: tf.DType
-    variables: list
-    sizes: list
-    buffer: tf.Variable
-
-
-@dataclasses.dataclass
-class _SparseSlot:
-    """Sparse gradients of one variable: a queue of (indices, values)."""
-
-    variable: object
-    queue: tf.queue.FIFOQueue
-
-
-class _Layout:
-    """How one set of variables' gradients is packed; built once, eagerly."""
-
-    def __init__(self, grads_and_vars, name):
-        self.keys = [_key(v) for _, v in grads_and_vars]
-        self.sparse_keys = frozenset(
-            _key(v)
-            for g, v in grads_and_vars
-            if isinstance(g, tf.IndexedSlices)
-        )
-        groups = collections.OrderedDict()
-        self.sparse = []
-        for g, v in grads_and_vars:
-            if g is None:
-                continue
-            if isinstance(g, tf.IndexedSlices):
-                with tf.init_scope(), tf.device(v.device):
-                    queue = tf.queue.FIFOQueue(
-                        capacity=-1,
-                        dtypes=[tf.int64, v.dtype.base_dtype],
-                        name=f"{name}_sparse",
-                    )
-                self.sparse.append(_SparseSlot(v, queue))
-            else:
-                key = (v.device, v.dtype.base_dtype)
-                groups.setdefault(key, []).append(v)
-        self.dense = []
-        for (device, dtype), variables in groups.items():
-            sizes = [int(np.prod(v.shape.as_list())) for v in variables]
-            buffer = _ps_variable(
-                tf.zeros([sum(sizes)], dtype), device, f"{name}_acc"
-            )
-            self.dense.append(
-                _DenseGroup(device, dtype, variables, sizes, buffer)
-            )
-
-    def matches(self, grads_and_vars) -> bool:
-        return [_key(v) for _, v in grads_and_vars] == self.keys and (
-            frozenset(
-                _key(v)
-                for g, v in grads_and_vars
-                if isinstance(g, tf.IndexedSlices)
-            )
-            == self.sparse_keys
-        )
-
-
-def _key(variable):
-    return id(variable)
-
-
 class Aggregator:
     """Token barrier and accumulators of one synchronous optimizer.
 
@@ -153,7 +82,14 @@ class Aggregator:
     """
 
     def __init__(
-        self, config, global_step, apply_fn, name="tf2sync", num_workers=1
+        self,
+        config,
+        global_step,
+        apply_fn,
+        name="tf2sync",
+        num_workers=1,
+        initial_tokens=None,
+        sparse_mean="pushes",
     ):
         """Creates the token queue, counters and critical section eagerly.
 
@@ -164,7 +100,20 @@ class Aggregator:
             gradients once and increments `global_step` by 1.
           name: Prefix of the variables and queues created.
           num_workers: Workers in the cluster, for per-worker counts.
+          initial_tokens: Tokens enqueued now; None means
+            `config.tokens_per_step`.
+          sparse_mean: "pushes" divides every sparse row by the number of
+            gradients accumulated, as dense ones; "rows" divides each row
+            by the number of pushes that contain it (TF1's
+            `SparseConditionalAccumulator`; each push's rows must then be
+            unique, see `wire.dedup`).
         """
+        if sparse_mean not in ("pushes", "rows"):
+            raise ValueError(
+                '`sparse_mean` must be "pushes" or "rows". Received: '
+                f"sparse_mean={sparse_mean!r}"
+            )
+        self._sparse_mean = sparse_mean
         self.config = config
         self.global_step = global_step
         self.device = global_step.device
@@ -173,34 +122,30 @@ class Aggregator:
         self._layout = None
         self._push_functions = {}
         self._graphs_with_push = weakref.WeakSet()
+        self.barrier = barrier_lib.TokenBarrier(global_step, name)
+        self.wait_seconds = self.barrier.wait_seconds
         with tf.init_scope(), tf.device(self.device):
-            self._tokens = tf.queue.FIFOQueue(
-                capacity=-1, dtypes=[tf.int64], shapes=[[]], name=name + "_q"
-            )
             self._cs = tf.CriticalSection(name=name + "_cs")
-        self.count = _ps_variable(
+        self.count = wire_lib.ps_variable(
             tf.constant(0, tf.int64), self.device, name + "_count"
         )
-        self.acc_step = _ps_variable(
+        self.acc_step = wire_lib.ps_variable(
             tf.constant(0, tf.int64), self.device, name + "_acc_step"
         )
-        self.stale_dropped = _ps_variable(
+        self.stale_dropped = wire_lib.ps_variable(
             tf.constant(0, tf.int64), self.device, name + "_stale"
         )
-        self.accepted = _ps_variable(
+        self.accepted = wire_lib.ps_variable(
             tf.constant(0, tf.int64), self.device, name + "_accepted"
         )
-        self.nonfinite_dropped = _ps_variable(
+        self.nonfinite_dropped = wire_lib.ps_variable(
             tf.constant(0, tf.int64), self.device, name + "_nonfinite"
         )
-        self.wait_seconds = _ps_variable(
-            tf.constant(0.0, tf.float64), self.device, name + "_wait"
-        )
         self.num_workers = max(1, int(num_workers))
-        self.accepted_per_worker = _ps_variable(
+        self.accepted_per_worker = wire_lib.ps_variable(
             tf.zeros([self.num_workers], tf.int64), self.device, name + "_wa"
         )
-        self.stale_per_worker = _ps_variable(
+        self.stale_per_worker = wire_lib.ps_variable(
             tf.zeros([self.num_workers], tf.int64), self.device, name + "_ws"
         )
         # Hooks run inside the critical section: callables returning ops.
@@ -208,21 +153,26 @@ class Aggregator:
         # (loss scaling, EMA); `on_nonfinite` when a push is non-finite.
         self.after_apply = []
         self.on_nonfinite = []
-        self.seed_tokens(config.tokens_per_step)
+        if initial_tokens is None:
+            initial_tokens = config.tokens_per_step
+        self.seed_tokens(initial_tokens)
 
     # Coordinator side -----------------------------------------------------
 
     def seed_tokens(self, num_tokens: int) -> None:
-        """Enqueues `num_tokens` tokens now (eagerly, from the coordinator)."""
-        if num_tokens > 0:
-            with tf.init_scope(), tf.device(self.device):
-                self._tokens.enqueue_many(
-                    tf.fill([num_tokens], tf.constant(0, tf.int64))
-                )
+        """Enqueues `num_tokens` tokens of the current step now (eagerly)."""
+        self.barrier.seed(num_tokens)
+
+    def _step(self):
+        return self.barrier.step()
+
+    @property
+    def token_queue(self) -> tf.queue.FIFOQueue:
+        """The barrier's queue of tokens, on the global step's ps."""
+        return self.barrier.queue
 
     def tokens_available(self) -> int:
-        with tf.init_scope(), tf.device(self.device):
-            return int(self._tokens.size())
+        return self.barrier.available()
 
     def watch_state(self) -> watchdog.WatchState:
         """The `watchdog.WatchState` of this barrier, read eagerly."""
@@ -243,7 +193,7 @@ class Aggregator:
         """Creates the accumulators for these gradient types, eagerly."""
         if self._layout is None:
             with tf.init_scope():  # eagerly, even when called while tracing
-                self._layout = _Layout(grads_and_vars, self._name)
+                self._layout = wire_lib.Layout(grads_and_vars, self._name)
         elif not self._layout.matches(grads_and_vars):
             raise ValueError(
                 "SyncOptimizer was built for another list of variables (or "
@@ -256,43 +206,16 @@ class Aggregator:
     # Step side (traced) ---------------------------------------------------
 
     def acquire(self):
-        """Dequeues one token; returns the tag (global step read after it).
+        """The core's order: one token, then the tag (see `TokenBarrier`)."""
+        return self.barrier.acquire()
 
-        The wait for the token is timed and added to `wait_seconds` on the
-        ps.
-        """
-        # Timed and counted on the ps: no worker<->ps edge but the tag's.
-        with tf.device(self.device):
-            start = tf.timestamp()
-            with tf.control_dependencies([start]):
-                token = self._tokens.dequeue()
-            with tf.control_dependencies([token]):
-                tag = tf.identity(self.global_step.read_value())
-                waited = tf.timestamp() - start
-            count = self.wait_seconds.assign_add(waited, read_value=False)
-            with tf.control_dependencies([count]):
-                return tf.identity(tag)
-
-    def metrics_from(self, stats):
-        """The sync metrics of the logs, from the counters a push returned."""
-        values = tf.unstack(stats)
-        counts = [tf.cast(v, tf.int64) for v in values[:-1]]
-        n = self.num_workers
-        metrics = {
-            "sync_steps": counts[0],
-            "stale_dropped": counts[1],
-            "nonfinite_dropped": counts[2],
-            "barrier_wait_s": values[-1],
-        }
-        for i in range(n):
-            metrics[f"accepted_w{i}"] = counts[3 + i]
-            metrics[f"stale_w{i}"] = counts[3 + n + i]
-        return metrics
+    def take_token(self, after):
+        """TF1's order: one token once `after` ran (see `TokenBarrier`)."""
+        return self.barrier.take(after)
 
     def give_back(self, after):
         """Returns one token after `after` (a step that pushed nothing)."""
-        with tf.control_dependencies(after), tf.device(self.device):
-            return self._tokens.enqueue(tf.constant(0, tf.int64))
+        return self.barrier.give_back(after)
 
     def push(
         self,
@@ -330,34 +253,39 @@ class Aggregator:
         riders = []
         if riders_from is not None:  # before the push adds ops of its own
             graph = tf.compat.v1.get_default_graph()
-            riders = _riders(graph, riders_from, self.device)
+            riders = graph_rewrites.riders(graph, riders_from, self.device)
         self.build(grads_and_vars)
         layout = self._layout
-        by_key = {_key(v): g for g, v in grads_and_vars}
+        by_key = {wire_lib.variable_key(v): g for g, v in grads_and_vars}
         packed = [
             tf.concat(
                 [
-                    tf.reshape(tf.convert_to_tensor(by_key[_key(v)]), [-1])
+                    tf.reshape(
+                        tf.convert_to_tensor(by_key[wire_lib.variable_key(v)]),
+                        [-1],
+                    )
                     for v in group.variables
                 ],
                 axis=0,
             )
             for group in layout.dense
         ]
-        # Rows go as computed, duplicates included (as TF1's accumulator and
-        # stock PSS take them): the apply sums duplicates once over all the
-        # pushes. Summing them here too cost the w3 loop 12-18 % more CPU
-        # per example for ~1 % fewer rows.
+        # Rows go as computed, duplicates included (as stock PSS takes
+        # them): the apply sums duplicates once over all the pushes, and a
+        # second sum on the worker costs more CPU than the rows it saves
+        # (docs/performance.md, "Measurements behind the code").
         sparse = [
             (tf.cast(g.indices, tf.int64), g.values)
-            for g in (by_key[_key(s.variable)] for s in layout.sparse)
+            for g in (
+                by_key[wire_lib.variable_key(s.variable)] for s in layout.sparse
+            )
         ]
         if riders:  # a write the gradients wait for cannot wait for them
-            ahead = _among_ancestors(
+            ahead = graph_rewrites.among_ancestors(
                 riders, packed + [t for pair in sparse for t in pair]
             )
             riders = [op for op in riders if op not in ahead]
-        wire = _Wire(
+        wire = wire_lib.Wire(
             self.device,
             layout,
             packed,
@@ -365,9 +293,11 @@ class Aggregator:
             worker,
             [op.inputs[1] for op in riders],
         )
-        inputs = self._received({"tag": tag, **wire.inputs()})
+        inputs = wire_lib.received(
+            {"tag": tag, **wire.inputs()}, layout, self.device
+        )
         for op, value in zip(riders, wire.riders(inputs["tensor"])):
-            op._update_input(1, value)
+            tf_internals.update_op_input(op, 1, value)
         function = self._repeated_push_function(
             wire, inputs, check_finite, stats
         )
@@ -378,51 +308,18 @@ class Aggregator:
                 lambda: self._push_body(wire, inputs, check_finite, stats)
             )
 
-    def _received(self, inputs):
-        """`inputs`, each copied onto the ps that uses it, before the push.
-
-        The critical section locks only after every input of its body has
-        been computed: a control edge from each. From a tensor on the
-        worker, that edge is a second transfer besides the data's own; from
-        a copy already on a ps it is not (w3 in-process: one transfer fewer
-        per step, and 1.12-1.14 x examples/s on w1). Each copy sits where
-        its data is used: the wire and the worker index on the critical
-        section's ps, other gradients on their variables' ps.
-        """
-        layout = self._layout
-
-        def copy(value, device):
-            if value is None:
-                return None
-            with tf.device(device):
-                return tf.nest.map_structure(tf.identity, value)
-
-        return {
-            "tag": inputs["tag"],  # read on this ps
-            "tensor": copy(inputs["tensor"], self.device),
-            "packed": [
-                copy(p, g.device)
-                for p, g in zip(inputs["packed"], layout.dense)
-            ],
-            "sparse": [
-                copy(p, slot.variable.device)
-                for p, slot in zip(inputs["sparse"], layout.sparse)
-            ],
-            "worker": copy(inputs["worker"], self.device),
-        }
-
     def _repeated_push_function(self, wire, inputs, check_finite, stats):
         """The push as one function of the ps, where the step repeats.
 
         A function that repeats the step (an unrolled loop) would otherwise
         hold a copy of the push and its apply per step, and the ps
-        instantiates each copy for every worker: ~2 MB each on W3. Inside
+        instantiates each copy for every worker. Inside
         `loops.repeat` (Trainer's and fit's default) every push is one
         function called, not inlined, so the ps holds it once per worker;
         elsewhere, from the second push traced into one graph on. A lone
         push stays inline: in a `tf.while_loop` of single steps the call
-        cost 3-5 % more CPU per example on w1 (in-process), while among
-        repeated copies it measured the same. A push whose accumulators or
+        costs CPU per step that inlining does not, while among repeated
+        copies the two cost the same. A push whose accumulators or
         hooks live on another device stays inline too (the call would be a
         multi-device function of its own). Returns None where the push is
         inlined.
@@ -483,9 +380,7 @@ class Aggregator:
         def discard_then_accumulate():
             # The accumulators hold pushes of another step (a checkpoint
             # was restored): drop them first. Rare.
-            with tf.control_dependencies(
-                [self._discard(self.global_step.read_value())]
-            ):
+            with tf.control_dependencies([self._discard(self._step())]):
                 return accumulate()
 
         def reject():
@@ -501,7 +396,7 @@ class Aggregator:
             with _SyncApplyScope():
                 ops = [
                     self.nonfinite_dropped.assign_add(1, read_value=False),
-                    self._tokens.enqueue(tf.constant(0, tf.int64)),
+                    self.barrier.release(1),
                 ] + [op for hook in self.on_nonfinite for op in hook()]
             with tf.control_dependencies(ops):
                 return tf.constant(-1, tf.int64)
@@ -510,9 +405,9 @@ class Aggregator:
             # One switch picks what the push does (it returns the pending
             # count, -1 for a dropped push), then one cond applies: no
             # nested conds (each level costs a measurable share of a small
-            # model's step), and the apply appears once in the graph (each
-            # inlined copy costs the ps ~2 MB per worker on W3).
-            step = self.global_step.read_value()
+            # model's step), and the apply appears once in the graph (the
+            # ps instantiates each inlined copy for every worker).
+            step = self._step()
             fresh = tag >= step
             same_step = tf.equal(self.acc_step.read_value(), step)
             ok = tf.constant(True)
@@ -549,7 +444,7 @@ class Aggregator:
                     [
                         tf.stack(
                             [
-                                self.global_step.read_value(),
+                                self._step(),
                                 self.stale_dropped.read_value(),
                                 self.nonfinite_dropped.read_value(),
                             ]
@@ -575,16 +470,19 @@ class Aggregator:
 
         return body()
 
-    def _drain_sparse(self):
-        """Dequeues the step's pushes of each sparse variable: sum, unique.
+    def _drain_sparse(self, count):
+        """Dequeues the step's pushes of each sparse variable: their mean.
+
+        Returns `(unique ids, mean rows)` per sparse variable: the rows'
+        sums divided by `count` (`sparse_mean="pushes"`), or each by the
+        number of pushes containing it (`"rows"`).
 
         An update happens when the count reaches `replicas_to_aggregate`:
         pushes are serialised and each adds exactly 1 (a discard resets the
         count to 0), so each queue holds exactly that many pushes here. They
-        are dequeued one by one and concatenated once. A `tf.while_loop` of
-        dequeues over the count, concatenating as it went, copied the rows
-        again at each push and cost the w3 loop 4-10 % of its throughput
-        (in-process, interleaved A/B).
+        are dequeued one by one and concatenated once: a `tf.while_loop` of
+        dequeues over the count, concatenating as it went, would copy the
+        rows again at each push.
         """
         grads = []
         for slot in self._layout.sparse:
@@ -594,7 +492,11 @@ class Aggregator:
             ]
             indices = tf.concat([idx for idx, _ in parts], 0)
             values = tf.concat([val for _, val in parts], 0)
-            grads.append(_dedup(tf.IndexedSlices(values, indices)))
+            if self._sparse_mean == "rows":
+                grads.append(wire_lib.row_mean(indices, values))
+                continue
+            unique, total = wire_lib.dedup(tf.IndexedSlices(values, indices))
+            grads.append((unique, total / tf.cast(count, total.dtype)))
         return grads
 
     def _discard(self, step):
@@ -618,11 +520,7 @@ class Aggregator:
             ops.append(self.stale_dropped.assign_add(count, read_value=False))
             # Each dropped push took a token its step will not get back
             # from an update: return them, or the barrier runs short.
-            ops.append(
-                self._tokens.enqueue_many(
-                    [tf.zeros(tf.reshape(count, [1]), tf.int64)]
-                )
-            )
+            ops.append(self.barrier.release(count))
             ops.append(self.count.assign(0, read_value=False))
             ops.append(self.acc_step.assign(step, read_value=False))
         return tf.group(ops)
@@ -636,14 +534,13 @@ class Aggregator:
             flat = group.buffer.read_value() / n
             for var, part in zip(group.variables, tf.split(flat, group.sizes)):
                 grads_and_vars.append((tf.reshape(part, var.shape), var))
-        for slot, (idx, val) in zip(layout.sparse, self._drain_sparse()):
-            n = tf.cast(count, val.dtype)
+        for slot, (idx, val) in zip(layout.sparse, self._drain_sparse(count)):
             grads_and_vars.append(
                 (
                     tf.IndexedSlices(
                         # Static: tf.shape(variable) would read the whole
-                        # table (12.8 MB of W3's ps, every step).
-                        val / n,
+                        # table on the ps, every step.
+                        val,
                         idx,
                         tf.constant(slot.variable.shape.as_list(), tf.int64),
                     ),
@@ -656,18 +553,18 @@ class Aggregator:
                 hooks = [op for hook in self.after_apply for op in hook()]
             if hooks:
                 with tf.control_dependencies(hooks):
-                    applied = tf.identity(self.global_step.read_value())
+                    applied = tf.identity(self._step())
         with tf.control_dependencies([applied]):
             resets = [
                 g.buffer.assign(tf.zeros_like(g.buffer), read_value=False)
                 for g in layout.dense
             ]
             resets.append(self.count.assign(0, read_value=False))
-            new_step = self.global_step.read_value()
+            new_step = self._step()
             resets.append(self.acc_step.assign(new_step, read_value=False))
         with tf.control_dependencies(resets):
-            release = self._tokens.enqueue_many(
-                tf.fill([self.config.tokens_per_step], new_step)
+            release = self.barrier.release(
+                self.config.tokens_per_step, new_step
             )
         with tf.control_dependencies([release]):
             return tf.constant(True)
@@ -688,207 +585,3 @@ def _count_worker(counts, worker):
             tf.ones([1], tf.int64), tf.reshape(tf.cast(worker, tf.int64), [1])
         )
     )
-
-
-class _Wire:
-    """One float32 tensor carries a push to the critical section's ps.
-
-    Each tensor that crosses from a worker to a ps is a transfer of its own,
-    and on small models the transfers are most of a step. Everything bound
-    for the ps of the critical section travels in one float32 tensor:
-    `[rows per sparse gradient | dense float32 gradients | worker index |
-    per sparse gradient: its int64 row ids bit-cast to float32 pairs, then
-    its values | riders]`. Bit casts and slices copy bits, so ids arrive
-    exact (they never enter arithmetic: the finiteness check sums the
-    unpacked values only). Gradients of other dtypes, or for variables on
-    other ps tasks, travel as before. Riders are other float32 values of the
-    step bound for this ps (see `_riders`): last, at static offsets from
-    the end, so `unpack` ignores them. They travel only when the wire does.
-    """
-
-    DTYPE = tf.float32
-
-    def __init__(self, device, layout, packed, sparse, worker, riders=()):
-        self._dense = [
-            i
-            for i, g in enumerate(layout.dense)
-            if g.device == device and g.dtype == self.DTYPE
-        ]
-        self._sparse = [
-            i
-            for i, slot in enumerate(layout.sparse)
-            if slot.variable.device == device
-            and slot.variable.dtype.base_dtype == self.DTYPE
-        ]
-        self._layout = layout
-        self._packed = packed
-        self._sparse_in = sparse
-        self._worker = worker
-        self.has_worker = worker is not None
-        self._device = device
-        self.tensor = None
-        # The worker index alone gains nothing, and riders need a wire.
-        carries = bool(self._dense or self._sparse)
-        self._riders = list(riders) if carries else []
-        if not carries:
-            return
-        parts = []
-        if self._sparse:
-            parts.append(
-                tf.cast(
-                    tf.stack([tf.size(sparse[i][0]) for i in self._sparse]),
-                    self.DTYPE,
-                )
-            )
-        parts += [packed[i] for i in self._dense]
-        if worker is not None:
-            parts.append(tf.cast(tf.reshape(worker, [1]), self.DTYPE))
-        for i in self._sparse:
-            ids, values = sparse[i]
-            parts.append(tf.reshape(tf.bitcast(ids, self.DTYPE), [-1]))
-            parts.append(tf.reshape(values, [-1]))
-        parts += [tf.reshape(r, [-1]) for r in self._riders]
-        self.tensor = tf.concat(parts, axis=0)
-
-    def inputs(self):
-        """What crosses to the ps: the wire, and what does not ride in it."""
-        return {
-            "tensor": self.tensor,
-            "packed": [
-                None if i in self._dense else p
-                for i, p in enumerate(self._packed)
-            ],
-            "sparse": [
-                None if i in self._sparse else p
-                for i, p in enumerate(self._sparse_in)
-            ],
-            "worker": self._worker if self.tensor is None else None,
-        }
-
-    def riders(self, tensor):
-        """The riders' values, sliced on the ps from the wire `tensor` there."""
-        offset = -sum(r.shape.num_elements() for r in self._riders)
-        values = []
-        with tf.device(self._device):
-            for rider in self._riders:
-                end = offset + rider.shape.num_elements()
-                piece = tensor[offset : end or None]
-                values.append(tf.reshape(piece, rider.shape))
-                offset = end
-        return values
-
-    def unpack(self, tensor, packed, sparse, worker):
-        """`{"packed", "sparse", "worker"}` as they arrived (on the ps)."""
-        packed = list(packed)
-        sparse = list(sparse)
-        if tensor is None:
-            return {"packed": packed, "sparse": sparse, "worker": worker}
-        wire = tensor
-        worker = self._worker
-        offset = len(self._sparse)
-        rows = tf.cast(tf.round(wire[:offset]), tf.int32)
-        for i in self._dense:
-            size = sum(self._layout.dense[i].sizes)
-            packed[i] = wire[offset : offset + size]
-            offset += size
-        if worker is not None:
-            worker = tf.cast(tf.round(wire[offset]), tf.int64)
-            offset += 1
-        at = tf.constant(offset, tf.int32)
-        for j, i in enumerate(self._sparse):
-            n = rows[j]
-            tail = self._layout.sparse[i].variable.shape[1:].as_list()
-            width = int(np.prod(tail))
-            ids = tf.bitcast(
-                tf.reshape(tf.slice(wire, [at], [2 * n]), [n, 2]), tf.int64
-            )
-            at += 2 * n
-            values = tf.reshape(
-                tf.slice(wire, [at], [n * width]),
-                tf.concat([[n], tf.constant(tail, tf.int32)], axis=0),
-            )
-            at += n * width
-            sparse[i] = (ids, values)
-        return {"packed": packed, "sparse": sparse, "worker": worker}
-
-
-_WRITES = frozenset(
-    ["AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp"]
-)
-
-
-def _riders(graph, start, device):
-    """The step's writes whose values can ride in the push to `device`.
-
-    Each write to a variable on a ps of a value computed on the worker is a
-    transfer of its own: `model.fit`'s compiled loss adds two per step (its
-    `Mean`'s total and count), where the push is the only other transfer
-    from the worker. Those writes (ops `start` on in `graph`, traced before
-    the push) may take the value from the push's tensor on the ps instead:
-    the same value, written once the push has arrived rather than when it
-    was computed. A write rides if its variable lives on `device`, its
-    value is float32 with a static shape, and the op computing the value
-    sits on no ps and reads no resource (it runs on the worker).
-    """
-    here = tf.DeviceSpec.from_string(device)
-    found = []
-    for op in graph.get_operations()[start:]:
-        if op.type not in _WRITES:
-            continue
-        handle_device = _captured_device(graph, op.inputs[0])
-        value = op.inputs[1]
-        producer = value.op
-        if (
-            handle_device
-            and tf.DeviceSpec.from_string(handle_device) == here
-            and value.dtype == tf.float32
-            and value.shape.is_fully_defined()
-            and "/job:" not in producer.device
-            and not any(t.dtype == tf.resource for t in producer.inputs)
-        ):
-            found.append(op)
-    return found
-
-
-def _among_ancestors(ops, tensors):
-    """The ops of `ops` that `tensors` depend on (data or control)."""
-    wanted = set(ops)
-    found = set()
-    seen = set()
-    stack = [t.op for t in tensors]
-    while stack and found != wanted:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        if op in wanted:
-            found.add(op)
-        stack.extend(t.op for t in op.inputs)
-        stack.extend(op.control_inputs)
-    return found
-
-
-def _captured_device(graph, tensor):
-    """The device of the eager tensor that `tensor` captures, or None."""
-    while tf.is_symbolic_tensor(tensor):
-        outer = None
-        for captured, inner in graph.captures:
-            if inner is tensor:
-                outer = captured
-                break
-        if outer is None:
-            return None
-        if not tf.is_symbolic_tensor(outer):
-            return outer.device
-        graph, tensor = outer.graph, outer
-    return None
-
-
-def _dedup(grad):
-    """Sums duplicate rows of an `IndexedSlices`; returns (indices, values)."""
-    indices = tf.cast(grad.indices, tf.int64)
-    unique, positions = tf.unique(indices)
-    values = tf.math.unsorted_segment_sum(
-        grad.values, positions, tf.shape(unique)[0]
-    )
-    return unique, values

@@ -196,7 +196,7 @@ def _train_once(resolver, job, config: ChiefConfig):
         callbacks=callbacks,
     )
     seconds = time.monotonic() - start
-    if shim:  # stop the shim's round thread before the cluster goes
+    if shim:  # stop the shim's token watchdog before the cluster goes
         optimizer.make_session_run_hook(is_chief=True).end()
     x, y = job.eval_arrays()
     local = job.build_model()

@@ -17,27 +17,23 @@ optimizer without kernels of its own: its `apply_gradients` routes each
 gradient by `var.name` to every spec whose `weights` hold that name and calls
 each spec optimizer's `apply_gradients`. tf2sync routes the same way and
 calls each spec optimizer's kernels instead (see `_tfa_specs`).
+
+Every private method of the optimizers is called through `tf_internals`;
+this module keeps the logic.
 """
 
 from __future__ import annotations
 
-import sys
-
 import tensorflow as tf
 import tf_keras
+
+from tf2sync._src import tf_internals
 
 _NEW = tf_keras.optimizers.Optimizer
 _LEGACY = tf_keras.optimizers.legacy.Optimizer
 
 
-def is_tfa_multi(optimizer) -> bool:
-    """True for `tfa.optimizers.MultiOptimizer` (without importing tfa)."""
-    cls = type(optimizer)
-    return (
-        cls.__name__ == "MultiOptimizer"
-        and (cls.__module__ or "").startswith("tensorflow_addons.")
-        and isinstance(getattr(optimizer, "optimizer_specs", None), list)
-    )
+is_tfa_multi = tf_internals.is_tfa_multi_optimizer
 
 
 def _tfa_specs(optimizer):
@@ -72,8 +68,7 @@ def check_optimizer(optimizer, argument="optimizer"):
         return
     hint = ""
     module = type(optimizer).__module__ or ""
-    keras_version = getattr(sys.modules.get("keras"), "__version__", "")
-    if keras_version.startswith("2.") and any(
+    if tf_internals.standalone_keras_2_loaded() and any(
         (c.__module__ or "").startswith("keras.")
         for c in type(optimizer).__mro__
     ):
@@ -100,7 +95,7 @@ def check_created_in_scope(optimizer, strategy, argument="optimizer"):
     """Raises unless `optimizer`'s step (and its groups') live on the ps."""
     optimizers = [optimizer] + list(getattr(optimizer, "optimizers", []))
     for opt in optimizers:
-        step = getattr(opt, "_iterations", None)
+        step = tf_internals.created_step_variable(opt)
         if step is not None and not strategy.extended.variable_created_in_scope(
             step
         ):
@@ -131,21 +126,18 @@ def build(optimizer, var_list) -> None:
             # that checkpoints hold each group's slots and step.
             for i, (spec_optimizer, _) in enumerate(_tfa_specs(optimizer)):
                 name = f"tfa_spec_{i}"
-                if optimizer._lookup_dependency(name) is None:
-                    optimizer._track_trackable(spec_optimizer, name)
+                if not tf_internals.tracks_child(optimizer, name):
+                    tf_internals.track_child(optimizer, spec_optimizer, name)
             for spec_optimizer, variables in _tfa_route(
                 optimizer, list(var_list), lambda v: v.name
             ):
                 build(spec_optimizer, variables)
         elif is_legacy(optimizer):
-            optimizer._create_all_weights(var_list)
+            tf_internals.legacy_create_all_weights(optimizer, var_list)
         else:
             optimizer.build(var_list)
-            if isinstance(
-                optimizer._learning_rate,
-                tf_keras.optimizers.schedules.LearningRateSchedule,
-            ) and not hasattr(optimizer, "_current_learning_rate"):
-                optimizer._compute_current_learning_rate()
+            if tf_internals.new_learning_rate_uncomputed(optimizer):
+                tf_internals.new_compute_learning_rate(optimizer)
 
 
 def apply(optimizer, grads_and_vars) -> tf.Operation:
@@ -202,43 +194,34 @@ def _dedups_then_applies(optimizer) -> bool:
     """Whether the optimizer's duplicate-index path only deduplicates.
 
     tf2sync's aggregated sparse gradients have unique rows already, so for
-    such optimizers `_resource_apply_sparse` does the same work without a
+    such optimizers the unique-index kernel does the same work without a
     second unique and segment sum over every row (~10% of W3's step).
     """
-    base = tf.keras.optimizers.legacy.Optimizer
-    method = type(optimizer)._resource_apply_sparse_duplicate_indices
-    if method is base._resource_apply_sparse_duplicate_indices:
-        return True
-    # SGD's override scatters directly without momentum and defers to the
-    # base (deduplicate, then apply) with it.
-    sgd = tf.keras.optimizers.legacy.SGD
-    return (
-        isinstance(optimizer, sgd)
-        and method is sgd._resource_apply_sparse_duplicate_indices
-        and bool(optimizer._momentum)
-    )
+    return tf_internals.legacy_sparse_dedup_is_plain(optimizer)
 
 
 def _apply_legacy(optimizer, grads_and_vars):
     var_list = [v for _, v in grads_and_vars]
-    grads_and_vars = optimizer._transform_gradients(grads_and_vars)
-    apply_state = optimizer._prepare(var_list)
+    grads_and_vars = tf_internals.legacy_transform_gradients(
+        optimizer, grads_and_vars
+    )
+    apply_state = tf_internals.legacy_prepare(optimizer, var_list)
     updates = []
     if not grads_and_vars:
         return updates
     for grad, var in grads_and_vars:
         if isinstance(grad, tf.IndexedSlices):
-            apply_sparse = (
-                optimizer._resource_apply_sparse
-                if _dedups_then_applies(optimizer)
-                else optimizer._resource_apply_sparse_duplicate_indices
-            )
-            op = apply_sparse(
-                grad.values, var, grad.indices, apply_state=apply_state
+            op = tf_internals.legacy_apply_sparse(
+                optimizer,
+                grad.values,
+                var,
+                grad.indices,
+                apply_state,
+                unique=_dedups_then_applies(optimizer),
             )
         else:
-            op = optimizer._resource_apply_dense(
-                grad, var, apply_state=apply_state
+            op = tf_internals.legacy_apply_dense(
+                optimizer, grad, var, apply_state
             )
         updates.append(op)
     with tf.control_dependencies(updates):
@@ -248,18 +231,20 @@ def _apply_legacy(optimizer, grads_and_vars):
 
 def _apply_new(optimizer, grads_and_vars):
     var_list = [v for _, v in grads_and_vars]
-    optimizer._compute_current_learning_rate()
+    tf_internals.new_compute_learning_rate(optimizer)
     if not grads_and_vars:
         return []
-    grads = optimizer._clip_gradients([g for g, _ in grads_and_vars])
+    grads = tf_internals.new_clip_gradients(
+        optimizer, [g for g, _ in grads_and_vars]
+    )
     updates = []
     if optimizer.weight_decay is not None:
-        optimizer._apply_weight_decay(var_list)
+        tf_internals.new_apply_weight_decay(optimizer, var_list)
     for grad, var in zip(grads, var_list):
-        updates.append(optimizer._update_step(grad, var))
+        updates.append(tf_internals.new_update_step(optimizer, grad, var))
     if optimizer.use_ema:
         with tf.control_dependencies([u for u in updates if u is not None]):
-            optimizer._update_model_variables_moving_average(var_list)
+            tf_internals.new_update_moving_averages(optimizer, var_list)
     updates = [u for u in updates if u is not None]
     with tf.control_dependencies(updates):
         updates = updates + _constraints(var_list)

@@ -6,7 +6,9 @@ sends the loop's control from one to the other each time round. Repeating
 the step in the traced graph (a Python loop, unrolled when traced) removes
 those transfers, but traces the step once per copy. `repeat` does both: it
 repeats the step in groups of at most `group` copies, and loops over the
-groups when there are more steps than one group holds.
+groups when there are more steps than one group holds. The group size
+callers use when the user does not choose is
+`tf2sync.SyncOptions.max_unrolled_steps`.
 """
 
 from __future__ import annotations
@@ -15,11 +17,6 @@ import contextlib
 import threading
 
 import tensorflow as tf
-
-# Copies of the step per loop iteration when the caller does not choose:
-# enough that the loop's per-iteration cost is small against ten steps', few
-# enough that tracing (ten times a step's) stays short.
-MAX_UNROLLED_STEPS = 10
 
 _TRACING = threading.local()
 

@@ -12,21 +12,24 @@ tf_keras asks one function, `strategy_supports_loss_scaling()`, both before
 building a `mixed_float16` layer and before creating a loss-scale optimizer.
 `install()` (run when tf2sync is imported) extends it to answer True under
 `SyncParameterServerStrategy`, and only there; every other strategy gets
-tf_keras's own answer.
+tf_keras's own answer. The private tf_keras parts this takes (the legacy
+loss-scale optimizer class, that function, the dynamic scale's state) are
+in `tf_internals`.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 import tf_keras
-from tf_keras.src.mixed_precision import loss_scale_optimizer as lso
 
-_ANY_LSO = lso.BaseLossScaleOptimizer
-_TF_KERAS_SUPPORTS = lso.strategy_supports_loss_scaling
+from tf2sync._src import tf_internals
+
+# Both families' loss-scale optimizers (the public class is their base).
+_ANY_LSO = tf_keras.mixed_precision.LossScaleOptimizer
 
 
 def _supports_loss_scaling():
-    if _TF_KERAS_SUPPORTS():
+    if tf_internals.keras_supports_loss_scaling():
         return True
     from tf2sync._src import strategy as strategy_lib
 
@@ -37,7 +40,7 @@ def _supports_loss_scaling():
 
 def install():
     """Lets tf_keras build mixed_float16 layers under the sync strategy."""
-    lso.strategy_supports_loss_scaling = _supports_loss_scaling
+    tf_internals.install_loss_scaling_predicate(_supports_loss_scaling)
 
 
 def wants_loss_scaling(optimizer) -> bool:
@@ -67,7 +70,7 @@ def unwrap(optimizer):
 
 
 @tf_keras.utils.register_keras_serializable(package="tf2sync")
-class SyncLossScaleOptimizer(lso.LossScaleOptimizer):
+class SyncLossScaleOptimizer(tf_internals.LegacyLossScaleOptimizer):
     """A `LossScaleOptimizer` around a `SyncOptimizer`.
 
     Protocol per replica step: the loss is multiplied by the current scale
@@ -96,7 +99,7 @@ class SyncLossScaleOptimizer(lso.LossScaleOptimizer):
         )
         inner_optimizer._tf2sync_loss_scaled = True
         if dynamic:
-            state = self._loss_scale
+            state = tf_internals.dynamic_loss_scale_state(self)
             aggregator = inner_optimizer._aggregator
             aggregator.on_nonfinite.append(lambda: _halve(state))
             aggregator.after_apply.append(lambda: _count_good_step(state))
@@ -104,37 +107,37 @@ class SyncLossScaleOptimizer(lso.LossScaleOptimizer):
     @property
     def sync_optimizer(self):
         """The wrapped `SyncOptimizer`."""
-        return self._optimizer
+        return self.inner_optimizer
 
     @property
     def stale_dropped(self):
-        return self._optimizer.stale_dropped
+        return self.inner_optimizer.stale_dropped
 
     @property
     def nonfinite_dropped(self):
-        return self._optimizer.nonfinite_dropped
+        return self.inner_optimizer.nonfinite_dropped
 
     @property
     def gradients_accepted(self):
-        return self._optimizer.gradients_accepted
+        return self.inner_optimizer.gradients_accepted
 
     @property
     def ema_variables(self):
-        return self._optimizer.ema_variables
+        return self.inner_optimizer.ema_variables
 
     def ema_weights(self):
         """See `SyncOptimizer.ema_weights`."""
-        return self._optimizer.ema_weights()
+        return self.inner_optimizer.ema_weights()
 
     def build(self, var_list):
-        self._optimizer.build(var_list)
+        self.inner_optimizer.build(var_list)
 
     def apply_gradients(
         self, grads_and_vars, name=None, experimental_aggregate_gradients=True
     ):
         """Pushes the (already unscaled) gradients; see the class doc."""
         del name, experimental_aggregate_gradients
-        return self._optimizer.apply_gradients(grads_and_vars)
+        return self.inner_optimizer.apply_gradients(grads_and_vars)
 
 
 def _halve(state):

@@ -8,6 +8,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf2sync._src import keras_compat
+from tf2sync._src import tf_internals
 
 
 def _variables_of(target):
@@ -98,7 +99,7 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
             [default] if default is not None else []
         )
         for i, optimizer in enumerate(self.optimizers):
-            self._track_trackable(optimizer, f"group_{i}")
+            tf_internals.track_child(self, optimizer, f"group_{i}")
         self._routes = None
         _ = self.iterations  # The global step: created now, eagerly.
 

@@ -9,6 +9,7 @@ from tf2sync._src import aggregation
 from tf2sync._src import ema
 from tf2sync._src import keras_compat
 from tf2sync._src import strategy as strategy_lib
+from tf2sync._src import tf_internals
 
 
 @tf_keras.utils.register_keras_serializable(package="tf2sync")
@@ -114,7 +115,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         keras_compat.check_created_in_scope(optimizer, strategy)
         super().__init__(name=name or "Sync" + _inner_name(optimizer))
         self._optimizer = optimizer
-        self._track_trackable(optimizer, "inner_optimizer")
+        tf_internals.track_child(self, optimizer, "inner_optimizer")
         self._strategy = strategy
         with strategy.scope():
             global_step = optimizer.iterations  # created now if lazy
@@ -123,7 +124,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             global_step,
             self._apply_aggregated,
             name=self._name,
-            num_workers=strategy._extended._num_workers,
+            num_workers=tf_internals.num_workers(strategy),
         )
         strategy._attach(self._aggregator)
         self._ema = None
@@ -246,7 +247,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             new = len(self._ema.shadows)
             self._ema.build(var_list)
             for i in range(new, len(self._ema.shadows)):
-                self._track_trackable(self._ema.shadows[i], f"ema_{i}")
+                tf_internals.track_child(self, self._ema.shadows[i], f"ema_{i}")
 
     def apply_gradients(
         self, grads_and_vars, name=None, experimental_aggregate_gradients=True
@@ -271,8 +272,8 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         """
         del name, experimental_aggregate_gradients
         grads_and_vars = list(grads_and_vars)
-        if getattr(
-            self, "_is_wrapped_by_loss_scale_optimizer", False
+        if tf_internals.is_wrapped_by_loss_scale_optimizer(
+            self
         ) and not getattr(self, "_tf2sync_loss_scaled", False):
             raise TypeError(
                 "SyncOptimizer is wrapped in a tf_keras LossScaleOptimizer, "
@@ -351,8 +352,9 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
 
 
 def _inner_name(optimizer):
-    name = getattr(optimizer, "_name", None) or getattr(optimizer, "name", "")
-    return str(name) or type(optimizer).__name__
+    return (
+        str(tf_internals.optimizer_name(optimizer)) or type(optimizer).__name__
+    )
 
 
 def _sum_local(strategy, value):

@@ -11,6 +11,7 @@ import tf_keras
 from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import compat_v1
 from tf2sync._src import loops
+from tf2sync._src import options as options_lib
 
 
 class Trainer:
@@ -27,8 +28,9 @@ class Trainer:
        through a `tf2sync.compat.v1.SyncReplicasOptimizer` with the
        trainer's `global_step`, TF1's protocol; the coordinator starts its
        chief part, no hook is needed). By default the function repeats
-       the step in its graph, up to 10 copies per `tf.while_loop`
-       iteration (see `use_tf_while_loop` in `__init__`).
+       the step in its graph, up to `max_unrolled_steps` (10) copies per
+       `tf.while_loop` iteration (see `use_tf_while_loop` and `options`
+       in `__init__`).
     3. The loop joins: when `train` returns or raises, no step is running.
     4. `train_loop_end(logs)` may add entries; the sync totals (exact, read
        after the join) are added; then `on_epoch_end`, and with
@@ -56,6 +58,7 @@ class Trainer:
         max_to_keep: int = 3,
         callbacks=(),
         verbose: int | str = "auto",
+        options: options_lib.SyncOptions | None = None,
     ):
         """Creates the coordinator and the checkpoint; see the class doc.
 
@@ -77,7 +80,8 @@ class Trainer:
             per copy and of ps memory (on the w3 embedding, 10 copies grew
             the ps by ~5 MB per worker beyond stock PSS, ~3 MB with one).
             None (the default): the step is repeated in groups of up to
-            10 copies, and a `tf.while_loop` runs the groups when
+            `options.max_unrolled_steps` (10 by default) copies, and a
+            `tf.while_loop` runs the groups when
             `steps_per_loop` is larger (the rest follows unrolled). True:
             a `tf.while_loop` of single steps, as Orbit's `StandardTrainer`
             (for large models, where tracing time counts and the loop's
@@ -87,8 +91,11 @@ class Trainer:
           max_to_keep: Checkpoints kept.
           callbacks: `tf.keras.callbacks.Callback`s.
           verbose: "auto", 0, 1 (progress bar) or 2 (one line per epoch).
+          options: A `tf2sync.SyncOptions` for this trainer's loop; None
+            (the default): the strategy's (`strategy.options`).
 
         Raises:
+          TypeError: If `options` is not a `tf2sync.SyncOptions` or None.
           ValueError: If `steps_per_loop` is not a positive int, or
             `use_tf_while_loop` not None or a bool.
         """
@@ -104,6 +111,9 @@ class Trainer:
                 "`use_tf_while_loop` must be None, True or False. Received: "
                 f"use_tf_while_loop={use_tf_while_loop!r}"
             )
+        if options is None:
+            options = options_lib.of_strategy(strategy)
+        self.options = options_lib.check(options)
         self.strategy = strategy
         self.model = model
         self.optimizer = optimizer
@@ -166,7 +176,7 @@ class Trainer:
     def _loop_function(self):
         steps = self.steps_per_loop
         group = {
-            None: loops.MAX_UNROLLED_STEPS,
+            None: self.options.max_unrolled_steps,
             True: 1,  # a tf.while_loop of single steps
             False: steps,  # every step a copy in the graph
         }[self.use_tf_while_loop]
@@ -272,6 +282,6 @@ class Trainer:
             if self.model.stop_training:
                 break
         callback_list.on_train_end()
-        if self._shim:  # the round thread; the next train() restarts it
+        if self._shim:  # its watchdog; the next train() restarts it
             self.optimizer.make_session_run_hook(is_chief=True).end()
         return history

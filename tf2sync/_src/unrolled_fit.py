@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-
 import tensorflow as tf
 import tf_keras
-from tensorflow.python.ops import resource_variable_ops
-from tensorflow.python.trackable import base as trackable
-from tf_keras.src.engine import training as keras_training
 
 from tf2sync._src import callbacks
 from tf2sync._src import loops
+from tf2sync._src import options as options_lib
+from tf2sync._src import tf_internals
 
 
 def unroll_fit_steps(model, enabled: bool = True):
@@ -75,7 +72,7 @@ def unroll_fit_steps(model, enabled: bool = True):
     if not enabled:
         if unrolled:
             del model.make_train_function  # the class's methods again
-            del model._validate_and_get_metrics_result
+            tf_internals.restore_epoch_logs_validator(model)
             model.train_function = None
         model._tf2sync_unrolled = False
         return model
@@ -86,7 +83,7 @@ def unroll_fit_steps(model, enabled: bool = True):
     def make_train_function(force=False):
         if model.train_function is not None and not force:
             return model.train_function
-        coordinator = model._cluster_coordinator
+        coordinator = tf_internals.model_coordinator(model)
         if coordinator is None:
             return keras_make(force=force)
         functions = {}
@@ -108,7 +105,7 @@ def unroll_fit_steps(model, enabled: bool = True):
         return schedule
 
     model.make_train_function = make_train_function
-    model._validate_and_get_metrics_result = _exact_epoch_logs(model)
+    tf_internals.override_epoch_logs_validator(model, _exact_epoch_logs(model))
     model.train_function = None  # made again, repeating its steps
     model._tf2sync_unrolled = True
     return model
@@ -145,22 +142,20 @@ def steps_per_execution_on_coordinator(model, handler) -> None:
     With `steps_per_execution="auto"` the tuner holds it as well, and
     nothing moves.
     """
-    variable = getattr(model, "_steps_per_execution", None)
+    variable = tf_internals.steps_per_execution_variable(model)
     if (
         variable is None
         or getattr(model, "autotune_steps_per_execution", False)
         or "/job:ps" not in (getattr(variable, "device", "") or "")
     ):
         return
-    with tf.init_scope():
-        here = resource_variable_ops.ResourceVariable(  # outside the strategy
-            variable.numpy(), dtype=tf.int64, trainable=False, name="spe"
-        )
+    here = tf_internals.plain_resource_variable(  # outside the strategy
+        variable.numpy(), name="spe", dtype=tf.int64
+    )
     # Not tracked: as tf_keras's own (see `_configure_steps_per_execution`).
-    with trackable.no_automatic_dependency_tracking_scope(model):
-        model._steps_per_execution = here
-    if getattr(handler, "_steps_per_execution", None) is variable:
-        handler._steps_per_execution = here
+    tf_internals.set_steps_per_execution_variable(model, here)
+    if tf_internals.data_handler_steps_per_execution(handler) is variable:
+        tf_internals.set_data_handler_steps_per_execution(handler, here)
 
 
 def _unrolled(model, steps):
@@ -181,20 +176,21 @@ def _unrolled(model, steps):
         def step(_):
             data = next(iterator)
             outputs = model.distribute_strategy.run(run_step, args=(data,))
-            return keras_training.reduce_per_replica(
+            return tf_internals.reduce_per_replica(
                 outputs,
                 model.distribute_strategy,
-                reduction=model.distribute_reduction_method,
+                model.distribute_reduction_method,
             )
 
-        outputs = loops.repeat(step, steps, loops.MAX_UNROLLED_STEPS)
+        options = options_lib.of_strategy(model.distribute_strategy)
+        outputs = loops.repeat(step, steps, options.max_unrolled_steps)
         # As tf_keras, the steps count once they succeeded; one write to
         # the ps per function rather than per step (the counter is read
         # from the coordinator, between functions).
         with tf.control_dependencies(
-            keras_training._minimum_control_deps(outputs)
+            tf_internals.minimum_control_deps(outputs)
         ):
-            model._train_counter.assign_add(steps)
+            tf_internals.train_counter(model).assign_add(steps)
         return outputs
 
     return train_function
@@ -203,25 +199,18 @@ def _unrolled(model, steps):
 def _steps_of_call(model):
     """The steps of the train function `fit` is calling now.
 
-    `fit`'s data handler sets them (`_step_increment + 1`: the
+    `fit`'s data handler sets them (`step_increment + 1`: the
     `steps_per_execution` it read, or fewer for an epoch's last call) just
     before the call. Reading them there saves a round trip to the ps per
     function; outside `fit` (or if tf_keras renamed them) the model's
-    `_steps_per_execution` is read, as tf_keras's own function does.
+    `steps_per_execution` variable is read, as tf_keras's own function
+    does.
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if (
-            frame.f_code.co_name == "fit"
-            and frame.f_locals.get("self") is model
-        ):
-            handler = frame.f_locals.get("data_handler")
-            increment = getattr(handler, "_step_increment", None)
-            if isinstance(increment, int) and increment >= 0:
-                return increment + 1
-            break
-        frame = frame.f_back
-    return int(model._steps_per_execution.numpy())
+    handler = tf_internals.running_fit_data_handler(model)
+    increment = getattr(handler, "step_increment", None)
+    if isinstance(increment, int) and increment >= 0:
+        return increment + 1
+    return int(tf_internals.steps_per_execution_variable(model).numpy())
 
 
 def _exact_epoch_logs(model):
@@ -233,7 +222,7 @@ def _exact_epoch_logs(model):
     metric results") and keeps the last function's logs. The sync counters
     are exact already, so they are set aside for the check and put back.
     """
-    keras_validate = model._validate_and_get_metrics_result
+    keras_validate = tf_internals.epoch_logs_validator(model)
 
     def validate(logs):
         if not isinstance(logs, dict):

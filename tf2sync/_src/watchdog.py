@@ -54,7 +54,8 @@ class WatchState(NamedTuple):
 class TokenWatchdog:
     """Watches one token barrier; see the module docstring.
 
-    The watched object (tf2sync's `Aggregator`, the TF1 shim's `Round`)
+    The watched object (tf2sync's `Aggregator`, or the TF1 shim's
+    `PushFirstStep`, which reads the same `Aggregator` with TF1's order)
     has `watch_state() -> WatchState` and `seed_tokens(n)`. With
     `drain_timeout`, a drained barrier (see `WatchState.drained`) gets its
     tokens after that many seconds instead of `timeout`.

@@ -1,53 +1,27 @@
-"""TF1's `SyncReplicasOptimizer`, in TF2 eager on ParameterServerStrategy.
+"""TF1's `SyncReplicasOptimizer`, in TF2 on tf2sync's core barrier.
 
 A migration shim: TF1 programs written against
 `tf.compat.v1.train.SyncReplicasOptimizer` keep their calls
 (`apply_gradients(grads_and_vars, global_step)`, `make_session_run_hook`,
 `get_init_tokens_op`, ...) and their numbers, but run on
 `tf2sync.SyncParameterServerStrategy` with a `ClusterCoordinator`, in a
-custom loop or in `model.fit`. See docs/migrating.md. The accumulators are
-in `compat_v1_accumulators.py`, the round the optimizers of one step share
-in `compat_v1_round.py`.
+custom loop or in `model.fit`. See docs/migrating.md. The step protocol is
+in `engine.py`; the barrier, accumulation and apply are the core's
+(`aggregation.py`).
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
-
 import tensorflow as tf
 from absl import logging
 
-from tf2sync._src import aggregation
-from tf2sync._src import compat_v1_accumulators as accumulators
-from tf2sync._src import compat_v1_round as round_lib
 from tf2sync._src import config as config_lib
 from tf2sync._src import keras_compat
 from tf2sync._src import strategy as strategy_lib
-
-_UIDS = itertools.count()
-
-
-class _State:
-    """What one `apply_gradients` variable list needs, created eagerly."""
-
-    def __init__(self, opt, grads_and_vars):
-        self.variables = [v for _, v in grads_and_vars]
-        self.accumulators = []  # parallel to variables; None for None grads
-        for grad, var in grads_and_vars:
-            name = f"{opt._name}_{next(_UIDS)}_{var.name.split(':')[0]}"
-            if grad is None:
-                acc = None
-            elif isinstance(grad, tf.IndexedSlices):
-                acc = accumulators.SparseAccumulator(var, name)
-            elif isinstance(grad, tf.Tensor) or tf.is_tensor(grad):
-                if isinstance(grad, tf.SparseTensor):
-                    raise ValueError("Unknown grad type!")
-                acc = accumulators.DenseAccumulator(var, name + "/grad_accum")
-            else:
-                raise ValueError("Unknown grad type!")
-            self.accumulators.append(acc)
-
+from tf2sync._src import tf_internals
+from tf2sync._src.compat_v1 import engine
+from tf2sync._src.compat_v1 import hooks
+from tf2sync._src.compat_v1 import inner
 
 _KERAS = (keras_compat._NEW, keras_compat._LEGACY)
 
@@ -64,19 +38,19 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
       (beside `global_step`) and store it as the new local step. A gradient
       is accepted iff its tag is at least the accumulator's step, otherwise
       it is silently dropped (stale).
-    * Chief round (a daemon thread on the coordinator): `take(
-      replicas_to_aggregate)` on every accumulator (the mean of all
-      gradients accepted since the last take, per row for `IndexedSlices`;
-      each take bumps that accumulator's step), one inner apply (which
-      increments `global_step` by 1), then `max(total, replicas_to_aggregate)`
-      tokens carrying the new `global_step`, then the optional moving
-      averages.
-    * Chief init: local steps := global step, accumulator steps := global
-      step, `num_tokens` (default `replicas_to_aggregate`) tokens, then the
-      round thread starts. The coordinator does this by itself after it
-      traced the first scheduled step and before it dispatches it; TF1's
-      `hook.begin(); hook.after_create_session()`, called first, does it
-      with the hook's `num_tokens`.
+    * Round (on the ps, in the core's critical section, by the push that
+      completes it: see `aggregation`): the `replicas_to_aggregate`-th
+      accepted push applies the mean of the accepted gradients (per row
+      for `IndexedSlices`, as TF1's sparse accumulator), one inner apply
+      (which increments `global_step` by 1), the optional moving averages
+      of the updated values, then `max(total, replicas_to_aggregate)`
+      tokens carrying the new `global_step`. A push is accepted or dropped
+      for all its variables at once.
+    * Chief init: local steps := global step, `num_tokens` (default
+      `replicas_to_aggregate`) tokens carrying it. The coordinator does
+      this by itself after it traced the first scheduled step and before
+      it dispatches it; TF1's `hook.begin(); hook.after_create_session()`,
+      called first, does it with the hook's `num_tokens`.
     * Several shim optimizers applied in the same traced step form one
       round (unlike TF1): any one of them may be given `global_step`, the
       others may pass `None` and join it (if none is given, tracing the
@@ -178,23 +152,13 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
         self._variables_to_average = variables_to_average
         super().__init__(use_locking, name)
         if isinstance(opt, tf.__internal__.tracking.Trackable):
-            self._track_trackable(opt, name="opt")  # slots in checkpoints
+            tf_internals.track_child(self, opt, "opt")  # slots in checkpoints
         self._gradients_applied = False
-        self._round = None
         self._given_step = None
-        self._states = []
-        self._lock = threading.Lock()
         self._strategy = tf.distribute.get_strategy()
+        self._protocol = None
         if isinstance(self._strategy, strategy_lib.SyncParameterServerStrategy):
-            # Local steps are per worker: have the strategy's coordinator
-            # pass each scheduled step its worker's index.
-            self._strategy._tf2sync_worker_ids = True
-            after_run = self._strategy._tf2sync_after_run
-            if round_lib.end_traced_step not in after_run:
-                after_run.append(round_lib.end_traced_step)
-            before_run = self._strategy._tf2sync_before_run
-            if round_lib.previous_token not in before_run:
-                before_run.append(round_lib.previous_token)
+            self._protocol = engine.PushFirstStep.of(self._strategy)
 
     # Pass-throughs ---------------------------------------------------------
 
@@ -219,91 +183,62 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
 
     def variables(self):
         """The inner optimizer's variables (local steps excluded)."""
-        opt = self._opt
-        if isinstance(opt, tf.compat.v1.train.Optimizer):
-            # Optimizer.variables() filters by the thread's default graph;
-            # the slots were created by the chief's round thread.
-            found = list(opt._non_slot_variables()) + [
-                v for slots in opt._slots.values() for v in slots.values()
-            ]
-            return sorted(found, key=lambda v: v.name)
-        variables = opt.variables
-        return variables() if callable(variables) else list(variables)
+        return inner.variables(self._opt)
 
     # Observability ---------------------------------------------------------
 
     @property
     def local_steps(self):
-        """The int vector of every worker's local step (on the step's ps).
+        """The int64 vector of every worker's local step (on the step's ps).
 
-        Shared by every shim optimizer of the same round.
+        Shared by every shim optimizer of the same round; None before the
+        first `apply_gradients`.
         """
-        return None if self._round is None else self._round.local_steps
+        return self._protocol.local_steps if self._protocol else None
 
     @property
     def rounds(self):
-        """An int64 variable counting chief rounds that applied."""
-        return None if self._round is None else self._round.rounds
-
-    # Worker side -----------------------------------------------------------
-
-    def _accumulators(self):
-        return [a for s in self._states for a in s.accumulators if a]
-
-    def _state_for(self, grads_and_vars):
-        keys = [id(v) for _, v in grads_and_vars]
-        for state in self._states:
-            if [id(v) for v in state.variables] == keys:
-                return state
-        state = _State(self, grads_and_vars)
-        self._states.append(state)
-        self._round.rebuild()
-        return state
-
-    def _join_round(self, global_step, var):
-        """Joins (or starts) the round of the current traced step, once."""
-        if self._round is not None:
-            if global_step is not None and global_step is not self._given_step:
-                raise ValueError(
-                    "This SyncReplicasOptimizer already uses another "
-                    "global_step."
-                )
-            if round_lib.open_round() is None:
-                round_lib.set_open_round(self._round)
-            return self._round
-        sync_round = round_lib.open_round()
-        if sync_round is None:
-            if global_step is None and tf.executing_eagerly():
-                raise ValueError(round_lib._GLOBAL_STEP_REQUIRED)
-            # In a traced step, a later member may name the global step;
-            # the strategy checks after `run` that one did.
-            device = (global_step if global_step is not None else var).device
-            sync_round = round_lib.Round(self, device, global_step)
-            round_lib.set_open_round(sync_round)
-        sync_round.add_member(self, global_step)
-        self._round = sync_round
-        self._given_step = global_step
-        return sync_round
-
-    @property
-    def _global_step(self):
-        return None if self._round is None else self._round.global_step
+        """An int64 variable counting the rounds applied."""
+        return self._protocol.rounds if self._protocol else None
 
     @property
     def _sync_token_queue(self):
-        return None if self._round is None else self._round.token_queue
+        # TF1's attribute: the token queue (the core barrier's).
+        aggregator = self._protocol.aggregator if self._protocol else None
+        return None if aggregator is None else aggregator.token_queue
+
+    @property
+    def _global_step(self):
+        return self._protocol.global_step if self._protocol else None
+
+    @property
+    def _accumulator_list(self):
+        # TF1's attribute: `(accumulator, device)` per variable with a
+        # gradient. The core accumulates a push for all its variables at
+        # once, so each one's count is the round's pending count.
+        aggregator = self._protocol.aggregator if self._protocol else None
+        if aggregator is None:
+            return []
+        return [
+            (_PendingCount(aggregator), var.device)
+            for var in self._protocol.variables_of(self)
+        ]
+
+    # Worker side -----------------------------------------------------------
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         """Pushes this worker's gradients, then waits for one token.
 
         Call inside `strategy.run` in a function scheduled on the
-        coordinator. The first call (while tracing) creates the
-        accumulators, the token queue and the local steps eagerly.
+        coordinator (or eagerly, one step per call). The first call creates
+        the barrier, the local steps and the inner optimizer's slots
+        eagerly.
 
         Several shim optimizers applied in the same traced step form one
-        round: the first one applied must be given `global_step`; the
+        round: at least one of them must be given `global_step`; the
         others may pass `global_step=None` (or their own step variable)
-        and join it. The step then takes one token, after all the pushes.
+        and join it. The step pushes once and takes one token, after all
+        of them.
 
         Args:
           grads_and_vars: `(gradient, variable)` pairs.
@@ -327,62 +262,50 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
                 "No gradients provided for any variable: "
                 f"{[v.name for _, v in grads_and_vars]}."
             )
-        with self._lock:
-            sync_round = self._join_round(global_step, grads_and_vars[0][1])
-            with tf.init_scope():
-                state = self._state_for(grads_and_vars)
-        ctx = sync_round.step_context()
-        pushes = []
-        for (grad, _), acc in zip(grads_and_vars, state.accumulators):
-            if acc is not None:
-                pushes.append(acc.apply(grad, ctx.local_step))
+        for grad, _ in grads_and_vars:
+            if grad is None or isinstance(grad, tf.IndexedSlices):
+                continue
+            if isinstance(grad, tf.SparseTensor) or not tf.is_tensor(grad):
+                raise ValueError("Unknown grad type!")
+        if global_step is not None:
+            if self._given_step is not None and global_step is not (
+                self._given_step
+            ):
+                raise ValueError(
+                    "This SyncReplicasOptimizer already uses another "
+                    "global_step."
+                )
+            self._given_step = global_step
+        protocol = self._protocol
+        if protocol is None:
+            if tf.executing_eagerly() and global_step is None:
+                raise ValueError(engine.GLOBAL_STEP_REQUIRED)
+            raise ValueError(
+                "SyncReplicasOptimizer must be created under "
+                "`tf2sync.SyncParameterServerStrategy(...).scope()`. "
+                f"Received strategy: {type(self._strategy).__name__}."
+            )
+        if (
+            tf.executing_eagerly()
+            and global_step is None
+            and protocol.global_step is None
+        ):
+            raise ValueError(engine.GLOBAL_STEP_REQUIRED)
+        result = protocol.record(
+            self,
+            [(g, v) for g, v in grads_and_vars if g is not None],
+            global_step,
+        )
         self._gradients_applied = True
-        return sync_round.finish_step(ctx, pushes)
+        return result
 
     # Chief side ------------------------------------------------------------
 
-    def _inner_apply(self, grads_and_vars, global_step):
-        opt = self._opt
-        strategy = self._strategy
-        grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
-        with strategy.scope(), aggregation.sync_apply_scope():
-            if isinstance(opt, tf.compat.v1.train.Optimizer):
-                # Each apply appends to this (round) graph's TRAIN_OP and
-                # compares with `==`, which fails on a previous member's
-                # variable-valued update: start each one empty.
-                key = tf.compat.v1.GraphKeys.TRAIN_OP
-                del tf.compat.v1.get_collection_ref(key)[:]
-                return opt._distributed_apply(
-                    strategy, grads_and_vars, global_step
-                )
-            if isinstance(opt, tf.keras.optimizers.legacy.Optimizer):
-                var_list = [v for _, v in grads_and_vars]
-                with tf.init_scope():
-                    opt._create_all_weights(var_list)
-                update = opt._distributed_apply(
-                    strategy,
-                    grads_and_vars,
-                    opt._prepare(var_list),
-                    name=self._name,
-                )
-            else:
-                with tf.init_scope():
-                    opt.build([v for _, v in grads_and_vars])
-                update = opt._distributed_apply_gradients_fn(
-                    strategy, grads_and_vars
-                )
-            iterations = getattr(opt, "iterations", None)
-            if global_step is None or iterations is global_step:
-                return update
-            deps = [update] if update is not None else []
-            with tf.control_dependencies(deps):
-                return global_step.assign_add(1, read_value=False)
-
     def get_chief_queue_runner(self):
-        """The `ChiefRunner` (start()/stop()) running the sync rounds."""
+        """The `ChiefRunner` (start()/stop()) of the chief's side."""
         if not self._gradients_applied:
             raise ValueError("Should be called after apply_gradients().")
-        return self._round.runner
+        return hooks.ChiefRunner(self._protocol)
 
     def get_init_tokens_op(self, num_tokens=-1):
         """A callable that enqueues `num_tokens` tokens of `global_step`.
@@ -408,12 +331,7 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
                 f"Too few tokens to finish the first step: {int(num_tokens)} "
                 f"(given) vs {int(tokens_needed)} (needed)"
             )
-
-        def init_tokens():
-            if num_tokens > 0:
-                self._round.enqueue_tokens(num_tokens)
-
-        return init_tokens
+        return hooks.InitTokens(self._protocol, num_tokens)
 
     def make_session_run_hook(self, is_chief, num_tokens=-1):
         """TF1's hook; optional in TF2, where the coordinator starts rounds.
@@ -425,4 +343,15 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
         Returns:
           An object with TF1's `begin`, `after_create_session` and `end`.
         """
-        return round_lib.SessionRunHook(self, is_chief, num_tokens)
+        return hooks.SessionRunHook(self, is_chief, num_tokens)
+
+
+class _PendingCount:
+    """TF1's accumulator `num_accumulated()`, read from the core barrier."""
+
+    def __init__(self, aggregator):
+        self._aggregator = aggregator
+
+    def num_accumulated(self):
+        """Gradients accepted since the round's last apply."""
+        return self._aggregator.count.read_value()

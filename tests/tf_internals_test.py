@@ -1,0 +1,261 @@
+"""tf_internals: the private TF / tf_keras API, each piece without a cluster."""
+
+import sys
+import types
+from unittest import mock
+
+import tensorflow as tf
+import tf_keras
+from absl.testing import absltest
+
+from tf2sync._src import tf_internals
+
+
+def _graph_ops(graph):
+    """In `graph`: two constants and a pure op on each."""
+    with graph.as_default():
+        a = tf.constant(1.0, name="a")
+        b = tf.constant(2.0, name="b")
+        total = tf.add(a, a, name="total")
+        other = tf.identity(b, name="other")
+        return a, b, total, other
+
+
+class GraphOpsTest(absltest.TestCase):
+    def _graphs(self):
+        yield tf.Graph()
+        func = tf.function(lambda: None).get_concrete_function().graph
+        yield type(func)("func_graph")  # a FuncGraph, as a traced step's
+
+    def test_update_op_input_rewires_one_input(self):
+        for graph in self._graphs():
+            a, b, total, _ = _graph_ops(graph)
+            tf_internals.update_op_input(total.op, 1, b)
+            self.assertEqual(list(total.op.inputs), [a, b])
+            self.assertIn(total.op, b.consumers())
+
+    def test_control_inputs_are_added_and_replaced(self):
+        for graph in self._graphs():
+            a, b, total, other = _graph_ops(graph)
+            tf_internals.add_control_inputs(total.op, [b.op, other.op])
+            self.assertCountEqual(total.op.control_inputs, [b.op, other.op])
+            tf_internals.replace_control_inputs(total.op, [other.op])
+            self.assertEqual(total.op.control_inputs, [other.op])
+            tf_internals.replace_control_inputs(total.op, [])
+            self.assertEqual(total.op.control_inputs, [])
+            self.assertEqual(list(total.op.inputs), [a, a])
+
+    def test_op_is_stateful(self):
+        for graph in self._graphs():
+            _, _, total, _ = _graph_ops(graph)
+            with graph.as_default():
+                noise = tf.random.uniform([2])
+                handle = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[])
+            self.assertFalse(tf_internals.op_is_stateful(total.op))
+            self.assertTrue(tf_internals.op_is_stateful(noise.op))
+            self.assertTrue(tf_internals.op_is_stateful(handle.op))
+
+
+class VariableAndDatasetTest(absltest.TestCase):
+    def test_plain_resource_variable_is_outside_the_strategy(self):
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+        with strategy.scope():
+            mirrored = tf.Variable(1.0)
+            plain = tf_internals.plain_resource_variable(
+                [1, 2], "plain", dtype=tf.int64, device="/cpu:0"
+            )
+        self.assertIsInstance(mirrored, tf.distribute.DistributedValues)
+        self.assertNotIsInstance(plain, tf.distribute.DistributedValues)
+        self.assertEqual(plain.dtype, tf.int64)
+        self.assertFalse(plain.trainable)
+        self.assertIn("CPU:0", plain.device)
+        self.assertFalse(tf_internals.is_caching_variable(plain))
+
+    def test_plain_resource_variable_is_lifted_out_of_a_function(self):
+        made = []
+
+        @tf.function
+        def make():
+            if not made:
+                made.append(tf_internals.plain_resource_variable(3.0, "v"))
+            return made[0].read_value()
+
+        self.assertEqual(float(make()), 3.0)
+        self.assertEqual(float(made[0].numpy()), 3.0)  # an eager variable
+
+    def test_worker_local_dataset_leaves_a_dataset_alone(self):
+        dataset = tf.data.Dataset.range(3)
+        self.assertIs(tf_internals.worker_local_dataset(dataset), dataset)
+        self.assertFalse(tf_internals.is_distributed_dataset(dataset))
+
+    def test_replace_extended_class_wants_a_subclass(self):
+        strategy = tf.distribute.get_strategy()
+
+        class Unrelated:
+            pass
+
+        with self.assertRaisesRegex(TypeError, "does not subclass"):
+            tf_internals.replace_extended_class(strategy, Unrelated)
+        self.assertEqual(tf_internals.num_workers(strategy), 1)
+
+
+class StackTest(absltest.TestCase):
+    def test_caller_self_of_type_finds_the_nearest_caller(self):
+        class _Handler:
+            def call(self, inner):
+                return inner.call()
+
+        class _Inner:
+            def call(self):
+                return tf_internals.caller_self_of_type("_Handler")
+
+        outer = _Handler()
+        self.assertIs(outer.call(_Inner()), outer)
+        self.assertIsNone(_Inner().call())
+
+    def test_running_fit_data_handler_is_that_models_fits(self):
+        model, handler = object(), object()
+
+        class Model:
+            def fit(self, data_handler):
+                return tf_internals.running_fit_data_handler(model)
+
+        self.assertIs(Model.fit(model, handler), handler)
+        self.assertIsNone(Model().fit(handler))  # another object's fit
+        self.assertIsNone(tf_internals.running_fit_data_handler(model))
+
+
+class VersionGateTest(absltest.TestCase):
+    def test_keras_train_step_by_qualname(self):
+        def run_step():
+            pass
+
+        for qualname, expected in (
+            # tf_keras's own function, unconverted.
+            (
+                "Model.make_train_function.<locals>.step_function.<locals>."
+                "run_step",
+                True,
+            ),
+            # AutoGraph's conversion of `step_function` (tf_keras 2.15).
+            ("tf__step_function.<locals>.run_step", True),
+            ("Trainer.train_step", False),
+        ):
+            run_step.__qualname__ = qualname
+            self.assertEqual(
+                tf_internals.is_keras_train_step(run_step), expected, qualname
+            )
+
+    def test_tfa_multi_optimizer_by_module_without_tfa(self):
+        cls = type("MultiOptimizer", (), {})
+        cls.__module__ = "tensorflow_addons.optimizers.discriminative"
+        optimizer = cls()
+        optimizer.optimizer_specs = []
+        self.assertTrue(tf_internals.is_tfa_multi_optimizer(optimizer))
+        own = type("MultiOptimizer", (), {"optimizer_specs": []})()
+        self.assertFalse(tf_internals.is_tfa_multi_optimizer(own))
+
+    def test_standalone_keras_2_by_version(self):
+        for version, expected in (("2.15.0", True), ("3.13.1", False)):
+            keras = types.SimpleNamespace(__version__=version)
+            with mock.patch.dict(sys.modules, {"keras": keras}):
+                self.assertEqual(
+                    tf_internals.standalone_keras_2_loaded(), expected
+                )
+
+
+class KerasTest(absltest.TestCase):
+    def test_legacy_kernels_update_like_apply_gradients(self):
+        sgd = tf_keras.optimizers.legacy.SGD(0.5)
+        var = tf.Variable([1.0, 2.0])
+        tf_internals.legacy_create_all_weights(sgd, [var])
+        state = tf_internals.legacy_prepare(sgd, [var])
+        tf_internals.legacy_apply_dense(
+            sgd, tf.constant([1.0, 1.0]), var, state
+        )
+        tf_internals.legacy_apply_sparse(
+            sgd, tf.constant([2.0]), var, tf.constant([1]), state, unique=False
+        )
+        self.assertEqual(var.numpy().tolist(), [0.5, 0.5])
+
+    def test_sparse_dedup_is_plain(self):
+        legacy = tf_keras.optimizers.legacy
+        check = tf_internals.legacy_sparse_dedup_is_plain
+        self.assertTrue(check(legacy.SGD(0.1, momentum=0.9)))
+        self.assertTrue(check(legacy.Adam(0.1)))
+        self.assertFalse(check(legacy.SGD(0.1)))
+
+    def test_new_update_step_and_learning_rate(self):
+        schedule = tf_keras.optimizers.schedules.ExponentialDecay(1.0, 1, 0.5)
+        sgd = tf_keras.optimizers.SGD(schedule)
+        var = tf.Variable([1.0])
+        sgd.build([var])
+        self.assertIsNone(tf_internals.created_step_variable(object()))
+        self.assertIs(tf_internals.created_step_variable(sgd), sgd.iterations)
+        if tf_internals.new_learning_rate_uncomputed(sgd):
+            tf_internals.new_compute_learning_rate(sgd)
+        self.assertFalse(tf_internals.new_learning_rate_uncomputed(sgd))
+        grads = tf_internals.new_clip_gradients(sgd, [tf.constant([1.0])])
+        tf_internals.new_update_step(sgd, grads[0], var)
+        self.assertEqual(var.numpy().tolist(), [0.0])
+
+    def test_track_child(self):
+        parent = tf_keras.optimizers.legacy.SGD(0.1)
+        child = tf.Variable(1.0)
+        self.assertFalse(tf_internals.tracks_child(parent, "child"))
+        tf_internals.track_child(parent, child, "child")
+        self.assertTrue(tf_internals.tracks_child(parent, "child"))
+        self.assertEqual(tf_internals.optimizer_name(parent), "SGD")
+
+    def test_tf1_optimizer_variables_are_its_slots_and_non_slots(self):
+        opt = tf.compat.v1.train.AdamOptimizer(0.1)
+        var = tf.Variable([1.0])
+        opt.apply_gradients([(tf.constant([1.0]), var)])
+        found = tf_internals.tf1_optimizer_variables(opt)
+        self.assertLen(found, 4)  # beta1_power, beta2_power, m, v
+        self.assertCountEqual(
+            [id(v) for v in found], [id(v) for v in opt.variables()]
+        )
+
+    def test_epoch_logs_validator_is_overridden_and_restored(self):
+        model = tf_keras.Sequential([tf_keras.layers.Dense(1)])
+        own = tf_internals.epoch_logs_validator(model)
+        tf_internals.override_epoch_logs_validator(model, lambda logs: "ours")
+        self.assertEqual(tf_internals.epoch_logs_validator(model)({}), "ours")
+        tf_internals.restore_epoch_logs_validator(model)
+        self.assertEqual(tf_internals.epoch_logs_validator(model), own)
+        tf_internals.restore_epoch_logs_validator(model)  # twice: no error
+
+    def test_steps_per_execution_variable_is_replaced_untracked(self):
+        model = tf_keras.Sequential(
+            [tf_keras.layers.Dense(1, input_shape=(2,))]
+        )
+        model.compile(loss="mse", steps_per_execution=3)
+        self.assertEqual(
+            int(tf_internals.steps_per_execution_variable(model).numpy()), 3
+        )
+        here = tf_internals.plain_resource_variable(5, "spe", dtype=tf.int64)
+        tf_internals.set_steps_per_execution_variable(model, here)
+        self.assertIs(tf_internals.steps_per_execution_variable(model), here)
+        self.assertNotIn(id(here), {id(v) for v in model.variables})
+        self.assertEqual(tf_internals.minimum_control_deps([here]), [])
+
+
+class MixedPrecisionTest(absltest.TestCase):
+    def test_the_legacy_loss_scale_optimizer_is_a_public_one(self):
+        public = tf_keras.mixed_precision.LossScaleOptimizer
+        self.assertTrue(
+            issubclass(tf_internals.LegacyLossScaleOptimizer, public)
+        )
+        lso = public(tf_keras.optimizers.legacy.SGD(0.1))
+        self.assertIsInstance(lso, tf_internals.LegacyLossScaleOptimizer)
+        state = tf_internals.dynamic_loss_scale_state(lso)
+        self.assertEqual(float(state.current_loss_scale.numpy()), 2.0**15)
+        self.assertTrue(
+            tf_internals.is_wrapped_by_loss_scale_optimizer(lso.inner_optimizer)
+        )
+        self.assertTrue(tf_internals.keras_supports_loss_scaling())
+
+
+if __name__ == "__main__":
+    absltest.main()

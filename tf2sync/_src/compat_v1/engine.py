@@ -1,0 +1,378 @@
+"""TF1's step order on the core barrier: push first, then take a token.
+
+The shim has no barrier or accumulators of its own: every shim optimizer
+applied in one traced step records its gradients (`record`), and at the
+end of `strategy.run` the step makes one core push (`aggregation`) of all
+of them, tagged with the worker's local step, then takes one token and
+stores it as the worker's next local step. The core does the rest, inside
+its critical section on the ps: stale pushes dropped, the
+`replicas_to_aggregate`-th fresh push applies the mean (per row for sparse
+gradients, as TF1's `SparseConditionalAccumulator`), each member's inner
+optimizer once, each distinct global step +1, then the moving averages,
+then `max(total, aggregate)` tokens carrying the new global step. A push
+is accepted or dropped as a whole, for every variable at once.
+
+The chief's side is what TF1's hook did at session start: seed every
+local step with the global step and enqueue the initial tokens
+(`start`), done by the coordinator before the first dispatch if no hook
+did it, and the core's token watchdog.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import tensorflow as tf
+
+from tf2sync._src import aggregation
+from tf2sync._src import config as config_lib
+from tf2sync._src import step_context
+from tf2sync._src import tf_internals
+from tf2sync._src import watchdog
+from tf2sync._src import wire
+from tf2sync._src.compat_v1 import inner
+
+GLOBAL_STEP_REQUIRED = "Global step is required to check staleness"
+_AUTO = "started by the coordinator"
+# TF1's order (push, then token) can leave a finite run's last steps
+# waiting for a round that needs more pushes than will come (each stale
+# push costs the barrier a token for good). Once every scheduled step was
+# dispatched and nothing moved for this long, the watchdog releases the
+# tokens the round needs; they carry the current global step, so they can
+# cost a wasted or dropped gradient, never a wrong one.
+DRAIN_TIMEOUT = 1.0
+
+
+class _Step:
+    """One traced replica step: the shim optimizers applied in it."""
+
+    def __init__(self, worker, after):
+        self.worker = worker
+        self.after = after  # the previous step's token in the same graph
+        self.entries = []  # (optimizer, grads_and_vars, global_step)
+        self.results = []  # placeholders rewired to the step's token
+
+
+class PushFirstStep:
+    """The step protocol of `tf2sync.compat.v1.SyncReplicasOptimizer`.
+
+    One per strategy, shared by every shim optimizer under it: one
+    `aggregation.Aggregator` (token queue beside the round's global step),
+    one local step per worker, one round per synchronous step whatever the
+    number of shim optimizers applied in it.
+    """
+
+    traces_before_dispatch = True
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.members = []  # (optimizer, its global_step or None)
+        self.global_step = None
+        self.aggregator = None
+        self.local_steps = None
+        self.rounds = None
+        self.started = False
+        self.watchdog = None
+        self._owner = {}  # id(variable) -> optimizer
+        self._variables = []  # every variable pushed, in order
+        self._claimed_by = set()
+        self._open = weakref.WeakKeyDictionary()  # graph -> _Step
+        self._last_token = weakref.WeakKeyDictionary()  # graph -> token
+
+    @classmethod
+    def of(cls, strategy):
+        """The strategy's shim protocol, attached on first use."""
+        protocol = strategy._protocol
+        if protocol is None:
+            protocol = cls(strategy)
+            strategy._attach_protocol(protocol)
+        elif not isinstance(protocol, cls):
+            strategy._attach_protocol(cls(strategy))  # raises: one per strategy
+        return protocol
+
+    # Tracing ---------------------------------------------------------------
+
+    def run_step(self, run, fn):
+        """Traces `fn` as one step, then its push and token (TF1's order)."""
+        graph = tf.compat.v1.get_default_graph()
+        worker = step_context.current_worker()
+        if worker is None:
+            worker = tf.constant(0, tf.int64)
+        previous = self._last_token.get(graph)
+        # Steps repeated in one function's graph have no order but their
+        # data's, and TF1 runs one step per `session.run`: each step's ops
+        # follow the previous step's token.
+        step = _Step(worker, [] if previous is None else [previous])
+        outer = self._open.get(graph)
+        self._open[graph] = step
+
+        def step_fn(*a, **k):
+            with (
+                step_context.WorkerScope(worker),
+                tf.control_dependencies(step.after),
+            ):
+                return fn(*a, **k)
+
+        try:
+            result = run(step_fn)
+        finally:
+            if outer is None:
+                self._open.pop(graph, None)
+            else:
+                self._open[graph] = outer
+        if step.entries:
+            self._finish(step, graph)
+        return result
+
+    def open_step(self):
+        """The `_Step` being traced in the current graph, or None."""
+        graph = tf.compat.v1.get_default_graph()
+        while graph is not None:
+            step = self._open.get(graph)
+            if step is not None:
+                return step
+            graph = getattr(graph, "outer_graph", None)
+        return None
+
+    def record(self, opt, grads_and_vars, global_step):
+        """Adds one `apply_gradients` call; returns its result.
+
+        Inside a traced `run`, the result is rewired to the step's token
+        once the step ends; elsewhere (eagerly, or a traced function that
+        is not a `run`) the call is a step of its own, pushed now.
+        """
+        step = None if tf.executing_eagerly() else self.open_step()
+        if step is None:
+            step = _Step(_worker_or_zero(), [])
+            step.entries.append((opt, grads_and_vars, global_step))
+            return self._push(step)
+        step.entries.append((opt, grads_and_vars, global_step))
+        placeholder = tf.identity(tf.zeros([], tf.int64))
+        step.results.append(placeholder)
+        return placeholder
+
+    def _finish(self, step, graph):
+        token = self._push(step)
+        for placeholder in step.results:
+            tf_internals.update_op_input(placeholder.op, 0, token)
+        self._last_token[graph] = token
+
+    def _push(self, step):
+        """The step's one push, then its token; returns the token."""
+        self._join(step.entries)
+        grads_and_vars = []
+        for _, gvs, _ in step.entries:
+            for grad, var in gvs:
+                if grad is None:
+                    continue
+                if isinstance(grad, tf.IndexedSlices):
+                    # TF1 counts a row once per push: sum it within one.
+                    ids, rows = wire.dedup(grad)
+                    grad = tf.IndexedSlices(rows, ids, grad.dense_shape)
+                grads_and_vars.append((grad, var))
+        aggregator = self._aggregator_for(grads_and_vars)
+        with tf.control_dependencies(step.after):
+            tag = tf.gather(self.local_steps, step.worker)
+        applied, _ = aggregator.push(
+            tag, grads_and_vars, worker=step.worker, stats=False
+        )
+        token = aggregator.take_token([applied])
+        update = self.local_steps.scatter_update(
+            tf.IndexedSlices(
+                tf.reshape(token, [1]), tf.reshape(step.worker, [1])
+            )
+        )
+        with tf.control_dependencies([update]):
+            return tf.identity(token)
+
+    def _join(self, entries):
+        for opt, gvs, global_step in entries:
+            for _, var in gvs:
+                if id(var) not in self._owner:
+                    self._variables.append(var)
+                owner = self._owner.setdefault(id(var), opt)
+                if owner is not opt:
+                    raise ValueError(
+                        f"Variable {var.name} is applied by two "
+                        "SyncReplicasOptimizers in one step: each variable "
+                        "belongs to one."
+                    )
+            if global_step is not None and self.global_step is None:
+                self.global_step = global_step
+            if all(opt is not m for m, _ in self.members):
+                self.members.append((opt, global_step))
+        if self.global_step is None:
+            raise ValueError(GLOBAL_STEP_REQUIRED)
+
+    def variables_of(self, opt):
+        """The variables `opt` pushes, in order."""
+        return [v for v in self._variables if self._owner[id(v)] is opt]
+
+    # State, built eagerly on the first step ----------------------------------
+
+    def _aggregator_for(self, grads_and_vars):
+        if self.aggregator is None:
+            with tf.init_scope():
+                self._build(grads_and_vars)
+        self.aggregator.build(grads_and_vars)
+        return self.aggregator
+
+    def _build(self, grads_and_vars):
+        leader = self.members[0][0]
+        counts = {
+            (o._replicas_to_aggregate, o._total_num_replicas)
+            for o, _ in self.members
+        }
+        if len(counts) > 1:
+            raise ValueError(
+                "The SyncReplicasOptimizers applied in one step form one "
+                "round and must agree on replicas_to_aggregate and "
+                f"total_num_replicas. Received: {sorted(counts)}"
+            )
+        config = config_lib.SyncConfig.create(
+            leader._replicas_to_aggregate, leader._total_num_replicas
+        )
+        num_workers = max(
+            config.total_num_replicas, tf_internals.num_workers(self.strategy)
+        )
+        for opt, gvs, _ in self._by_member(grads_and_vars):
+            with self.strategy.scope():
+                inner.build(opt._opt, [v for _, v in gvs])
+                if opt._variable_averages is not None:
+                    inner.build_averages(
+                        opt._variable_averages, opt._variables_to_average
+                    )
+        self.aggregator = aggregation.Aggregator(
+            config,
+            self.global_step,
+            self._apply,
+            name=f"{leader._name}_sync",
+            num_workers=num_workers,
+            initial_tokens=0,  # the chief's `start` enqueues them
+            sparse_mean="rows",
+        )
+        device = self.aggregator.device
+        step = tf.cast(self.global_step.read_value(), tf.int64)
+        self.local_steps = wire.ps_variable(
+            tf.fill([num_workers], step), device, f"{leader._name}_local_step"
+        )
+        self.rounds = wire.ps_variable(
+            tf.constant(0, tf.int64), device, f"{leader._name}_rounds"
+        )
+        self.aggregator.after_apply.append(self._after_apply)
+
+    def _by_member(self, grads_and_vars):
+        """`(optimizer, its pairs, its global step)` per member, in order."""
+        found = []
+        for opt, global_step in self.members:
+            gvs = [
+                (g, v) for g, v in grads_and_vars if self._owner[id(v)] is opt
+            ]
+            found.append((opt, gvs, global_step))
+        return found
+
+    def _apply(self, grads_and_vars):
+        """The round's apply (inside the core's critical section)."""
+        updates, incremented = [], set()
+        for opt, gvs, global_step in self._by_member(grads_and_vars):
+            if global_step is not None and id(global_step) in incremented:
+                global_step = None
+            if global_step is not None:
+                incremented.add(id(global_step))
+            if gvs:
+                update = inner.apply(
+                    opt._opt, self.strategy, gvs, global_step, opt._name
+                )
+                if update is not None:
+                    updates.append(update)
+        return tf.group(updates)
+
+    def _after_apply(self):
+        ops = [self.rounds.assign_add(1, read_value=False)]
+        for opt, _ in self.members:
+            if opt._variable_averages is not None:
+                ops.append(
+                    opt._variable_averages.apply(opt._variables_to_average)
+                )
+        return ops
+
+    # Chief side --------------------------------------------------------------
+
+    def claim(self, hook):
+        """True if `hook` should (re)start the round now.
+
+        Of several members' hooks, the first one called starts the round;
+        the same hook called again restarts it. Hooks called after the
+        coordinator started the round change nothing.
+        """
+        if _AUTO in self._claimed_by:
+            self._claimed_by.add(hook)
+            return False
+        if not self._claimed_by or hook in self._claimed_by:
+            self._claimed_by = {hook}
+            return True
+        self._claimed_by.add(hook)
+        return False
+
+    def before_dispatch(self):
+        """Starts the chief's side unless a hook or an earlier call did.
+
+        The coordinator calls this after tracing a scheduled function and
+        before dispatching it, so no worker waits on a token that nobody
+        will enqueue.
+        """
+        if self.started or self.aggregator is None:
+            return
+        self.start(self.members[0][0]._replicas_to_aggregate)
+        self._claimed_by = {_AUTO}
+
+    def start(self, num_tokens):
+        """Seeds the local steps, enqueues `num_tokens`, starts the watchdog."""
+        self._halt()
+        self.local_step_init()
+        self.aggregator.seed_tokens(num_tokens)
+        self.started = True
+        timeout = self.strategy._token_timeout
+        if timeout is not None:
+            self.watchdog = watchdog.TokenWatchdog(
+                self, timeout, drain_timeout=DRAIN_TIMEOUT
+            )
+
+    def stop(self):
+        """Stops the watchdog; the next dispatch starts the chief again."""
+        self._halt()
+        self.started = False
+        self._claimed_by = set()
+
+    def _halt(self):
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+
+    def local_step_init(self):
+        """Every worker's local step := the global step (TF1's init op)."""
+        step = tf.cast(self.global_step.read_value(), tf.int64)
+        self.local_steps.assign(tf.fill(tf.shape(self.local_steps), step))
+
+    def watch_state(self) -> watchdog.WatchState:
+        """The core barrier's state, read with TF1's order in mind."""
+        state = self.aggregator.watch_state()
+        tokens, drained = state.tokens, False
+        coordinator = tf_internals.strategy_coordinator(self.strategy)
+        if coordinator is not None:
+            inflight, queue_empty = tf_internals.inflight_closures(coordinator)
+            if not inflight and queue_empty:
+                # No step is in flight, so none waits for a token: TF1's
+                # order leaves the queue empty between steps.
+                tokens = max(tokens, 1)
+            drained = inflight > 0 and queue_empty
+        return state._replace(tokens=tokens, drained=drained)
+
+    def seed_tokens(self, num):
+        """Releases `num` tokens of the current global step (watchdog)."""
+        self.aggregator.seed_tokens(num)
+
+
+def _worker_or_zero():
+    worker = step_context.current_worker()
+    return tf.constant(0, tf.int64) if worker is None else worker

@@ -1,0 +1,94 @@
+"""The shim's inner optimizers: built eagerly, applied inside the round.
+
+A shim wraps a `tf.compat.v1.train.Optimizer` or a tf_keras optimizer
+(either family). Their slots and moving averages are created eagerly under
+the strategy's scope on the first traced step (PSS cannot create variables
+inside a scheduled function), so `variables()` and `get_slot()` answer
+right after `apply_gradients`; the apply itself runs inside the core's
+critical section on the ps. Each call into an optimizer's internals goes
+through `tf_internals`.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf2sync._src import aggregation
+from tf2sync._src import tf_internals
+
+
+def is_tf1(opt) -> bool:
+    return isinstance(opt, tf.compat.v1.train.Optimizer)
+
+
+def is_keras_legacy(opt) -> bool:
+    return isinstance(opt, tf.keras.optimizers.legacy.Optimizer)
+
+
+def build(opt, var_list):
+    """Creates `opt`'s slots for `var_list` now (call eagerly, in scope)."""
+    if is_tf1(opt):
+        tf_internals.tf1_optimizer_create_slots(opt, var_list)
+    elif is_keras_legacy(opt):
+        tf_internals.legacy_create_all_weights(opt, var_list)
+    else:
+        opt.build(var_list)
+
+
+def build_averages(averages, var_list):
+    """Creates the shadow variables of `averages` now, each = its variable.
+
+    `ExponentialMovingAverage.apply` creates them and moves each towards
+    its variable, which it already equals: only the creation changes
+    anything (as TF1's graph construction did). Its update goes through
+    the strategy's `update` like an apply's, hence the apply scope.
+    """
+    with aggregation.sync_apply_scope():
+        averages.apply(var_list)
+
+
+def variables(opt):
+    """The inner optimizer's variables, whichever graph created them."""
+    if is_tf1(opt):
+        found = tf_internals.tf1_optimizer_variables(opt)
+        return sorted(found, key=lambda v: v.name)
+    found = opt.variables
+    return found() if callable(found) else list(found)
+
+
+def apply(opt, strategy, grads_and_vars, global_step, name):
+    """One inner apply of the round's mean gradients; +1 on `global_step`.
+
+    Runs while the core traces its apply (inside `sync_apply_scope`, where
+    the strategy lets variable updates through).
+    """
+    grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+    with strategy.scope(), aggregation.sync_apply_scope():
+        if is_tf1(opt):
+            # Each apply appends to this graph's TRAIN_OP collection and
+            # compares with `==`, which fails on a previous member's
+            # variable-valued update: start each one empty.
+            key = tf.compat.v1.GraphKeys.TRAIN_OP
+            del tf.compat.v1.get_collection_ref(key)[:]
+            return tf_internals.tf1_optimizer_apply(
+                opt, strategy, grads_and_vars, global_step
+            )
+        var_list = [v for _, v in grads_and_vars]
+        if is_keras_legacy(opt):
+            update = tf_internals.legacy_distributed_apply(
+                opt,
+                strategy,
+                grads_and_vars,
+                tf_internals.legacy_prepare(opt, var_list),
+                name,
+            )
+        else:
+            update = tf_internals.new_distributed_apply(
+                opt, strategy, grads_and_vars
+            )
+        iterations = getattr(opt, "iterations", None)
+        if global_step is None or iterations is global_step:
+            return update
+        deps = [update] if update is not None else []
+        with tf.control_dependencies(deps):
+            return global_step.assign_add(1, read_value=False)

@@ -1,0 +1,159 @@
+"""The coordinator of a SyncParameterServerStrategy, and what it reads.
+
+`SyncCoordinator` is what `ClusterCoordinator(strategy)` returns under
+tf2sync: it passes each scheduled function its worker's index, lets the
+strategy's step protocol start its chief side before the first dispatch,
+and iterates CPU workers' datasets directly.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import tensorflow as tf
+
+from tf2sync._src import step_context
+from tf2sync._src import tf_internals
+from tf2sync._src import unrolled_fit
+
+
+class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
+    """Passes each scheduled function the index of the worker running it.
+
+    A scheduled function cannot tell which worker runs it; the coordinator
+    can. Every `tf.function` scheduled while a SyncOptimizer is attached is
+    wrapped to take a per-worker value (each worker's own index, built as a
+    per-worker resource, rebuilt when a worker restarts) and traced under it,
+    so that pushes are counted per worker. `ClusterCoordinator(strategy)`
+    returns this instance: tf_keras and user loops get it unchanged.
+
+    On workers without GPUs, per-worker datasets are iterated directly (see
+    `create_per_worker_dataset`).
+    """
+
+    def __init__(self, strategy):
+        first = not getattr(self, "_has_initialized", False)
+        super().__init__(strategy)
+        if first:
+            self._worker_ids = None
+            self._wrapped = weakref.WeakKeyDictionary()
+
+    def create_per_worker_dataset(self, dataset_fn):
+        """See base class. On CPU workers, without the per-device iterator.
+
+        A distributed dataset (what `model.fit` builds from a
+        `tf.data.Dataset`, and what `distribute_datasets_from_function`
+        returns) is iterated on each worker through a multi-device iterator,
+        which prefetches every element to the replica's device. A worker
+        without GPUs has one replica on its own CPU: the copy is to the
+        device the element is already on, a cost on a small model's step
+        that skipping it saves. There the worker
+        iterates the dataset that the distributed dataset wraps, which
+        yields the same elements in the same order (one input pipeline and
+        one replica per worker: PSS neither shards nor rebatches it).
+        Workers with GPUs keep the prefetch.
+        """
+        if tf_internals.num_gpus_per_worker(self.strategy) == 0:
+            dataset_fn = _single_pipeline(dataset_fn)
+        # The data handler of a `fit` or `evaluate` building its input
+        # (exact evaluation's subclass aside), before `fit` makes its train
+        # function: otherwise `fit` keeps tf_keras's loop (slower, not wrong).
+        handler = tf_internals.caller_self_of_type(
+            "_ClusterCoordinatorDataHandler"
+        )
+        model = tf_internals.data_handler_model(handler)
+        if model is not None:
+            _check_not_jit_compiled(model)
+            unrolled_fit.steps_per_execution_on_coordinator(model, handler)
+            # fit makes its train function next: repeat its steps.
+            unrolled_fit.repeat_by_default(model)
+        return super().create_per_worker_dataset(dataset_fn)
+
+    def _ids(self):
+        if self._worker_ids is None:
+            ids = []
+            for i, worker in enumerate(tf_internals.coordinator_workers(self)):
+                index = tf.function(lambda i=i: tf.constant(i, tf.int64))
+                ids.append(worker.create_resource(index))
+            self._worker_ids = (
+                tf.distribute.experimental.coordinator.PerWorkerValues(
+                    tuple(ids)
+                )
+            )
+        return self._worker_ids
+
+    def schedule(self, fn, args=None, kwargs=None):
+        protocol = self.strategy._protocol
+        if protocol is None or not isinstance(
+            fn, tf.types.experimental.GenericFunction
+        ):
+            return super().schedule(fn, args=args, kwargs=kwargs)
+        wrapped = self._wrapped.get(fn)
+        if wrapped is None:
+
+            def with_worker(worker, *a, **k):
+                with step_context.WorkerScope(worker):
+                    return fn(*a, **k)
+
+            wrapped = tf.function(with_worker)
+            self._wrapped[fn] = wrapped
+        args = (self._ids(), *(args or ()))
+        if protocol.traces_before_dispatch:
+            # Trace now (as `schedule` would), so that what the trace built
+            # (the TF1 shim's barrier, even on the very first schedule)
+            # starts before any worker runs it.
+            wrapped.get_concrete_function(
+                *tf_internals.worker_slice_specs(args),
+                **tf_internals.worker_slice_specs(kwargs or {}),
+            )
+            protocol.before_dispatch()
+        return super().schedule(wrapped, args=args, kwargs=kwargs)
+
+
+def for_exact_evaluation() -> bool:
+    """Whether tf_keras's exact evaluation is distributing a dataset.
+
+    `model.evaluate` after `compile(pss_evaluation_shards=...)` gives its
+    finite dataset through `_ClusterCoordinatorExactEvalDataHandler`
+    (otherwise finite datasets are refused, as elsewhere).
+    """
+    handler = tf_internals.caller_self_of_type(
+        "_ClusterCoordinatorExactEvalDataHandler"
+    )
+    return handler is not None
+
+
+def _check_not_jit_compiled(model):
+    """Refuses `jit_compile=True` before `fit` or `evaluate` runs a step.
+
+    XLA cannot read variables that live on another device, and under a
+    ParameterServerStrategy every variable lives on a ps: stock PSS fails
+    inside its first step ("Trying to access resource ... located in device
+    /job:ps"), and tf2sync's push would fail earlier with an error about
+    `merge_call`. Neither names the setting to change.
+    """
+    if getattr(model, "jit_compile", None):
+        raise ValueError(
+            "`jit_compile=True` cannot run under "
+            "tf2sync.SyncParameterServerStrategy: XLA cannot read variables "
+            "on the parameter servers, where all of them live. Compile the "
+            "model with jit_compile=False. Received: "
+            f"jit_compile={model.jit_compile!r}"
+        )
+
+
+def _single_pipeline(dataset_or_fn):
+    """The dataset a PSS distributed dataset wraps (see the coordinator)."""
+    if tf_internals.is_distributed_dataset(dataset_or_fn):
+        if tf_internals.distributed_dataset_is_built(dataset_or_fn):
+            return dataset_or_fn  # built eagerly elsewhere: leave it
+        return tf_internals.distributed_dataset_source(dataset_or_fn)
+    if not callable(dataset_or_fn) or isinstance(
+        dataset_or_fn, tf.types.experimental.ConcreteFunction
+    ):
+        return dataset_or_fn
+
+    def dataset_fn():  # traced on each worker
+        return tf_internals.worker_local_dataset(dataset_or_fn())
+
+    return dataset_fn

@@ -1,0 +1,83 @@
+"""What the replica step being traced knows: its tag, worker and push.
+
+`StepContext` is set while `SyncParameterServerStrategy.run` traces a step
+of the core protocol (`current_step`); the worker index is set while the
+coordinator traces a scheduled function (`current_worker`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import tensorflow as tf
+
+_STEP = threading.local()
+
+
+class StepContext:
+    """What one traced replica step knows: its tag, and whether it pushed."""
+
+    def __init__(self, tag, worker=None, want_stats=True, first_op=None):
+        self.tag = tag
+        self.worker = worker
+        # Where the step's ops start: its graph, and its first op's index.
+        self._graph = tf.compat.v1.get_default_graph()
+        self._first_op = first_op
+        self.pushed = False
+        self.want_stats = want_stats  # whether the push reads the counters
+        self.stats = None  # set by the push: counters read on the ps
+
+    def first_op_here(self):
+        """The index of the step's first op if the current graph is the
+        step's own (not a function nested in it), else None."""
+        if tf.compat.v1.get_default_graph() is self._graph:
+            return self._first_op
+        return None
+
+
+def current_step():
+    """The `StepContext` of the replica step being traced, or None."""
+    return getattr(_STEP, "context", None)
+
+
+class StepScope:
+    def __init__(self, context):
+        self._context = context
+
+    def __enter__(self):
+        self._previous = current_step()
+        _STEP.context = self._context
+
+    def __exit__(self, *exc):
+        _STEP.context = self._previous
+
+
+def is_keras_train_step(fn) -> bool:
+    """True for the `run_step` of tf_keras's `make_train_function`.
+
+    Its `__qualname__` names `make_train_function`, or (tf_keras 2.15, whose
+    `step_function` AutoGraph converts) `tf__step_function.<locals>.run_step`.
+    The test function's step matches the second form too; it pushes
+    nothing, so the counters it would get are never read.
+    """
+    qualname = getattr(fn, "__qualname__", "")
+    return "make_train_function" in qualname or qualname.endswith(
+        "step_function.<locals>.run_step"
+    )
+
+
+def current_worker():
+    """The int64 index of the worker running the traced step, or None."""
+    return getattr(_STEP, "worker", None)
+
+
+class WorkerScope:
+    def __init__(self, worker):
+        self._worker = worker
+
+    def __enter__(self):
+        self._previous = current_worker()
+        _STEP.worker = self._worker
+
+    def __exit__(self, *exc):
+        _STEP.worker = self._previous

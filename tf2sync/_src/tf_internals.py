@@ -1,0 +1,541 @@
+"""Every private TensorFlow / tf_keras API tf2sync uses, behind one door.
+
+No other module of tf2sync imports `tensorflow.python` or `tf_keras.src`
+(`tests/lint_test.py` checks) or reads a private attribute of a TF or
+tf_keras object. Each name here says (a) the public API it stands in for,
+or why there is none, and (b) the versions it was checked on, as a tag:
+
+* `[2.21]`: read and tested on TF 2.21.0 with tf_keras 2.21.0 (`.venv`).
+* `[2.15: kept]`: TF 2.15.1 with tf_keras 2.15 and tensorflow-addons, the
+  CI's second environment (`requirements-tfa.txt`), whose sources were not
+  at hand here: the 2.15 path is the one the previous code, run by that
+  CI, had.
+
+A section's tag applies to each of its names unless the name has its own.
+When a TF or tf_keras upgrade breaks tf2sync, the break is in this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import tensorflow as tf
+import tf_keras
+from tensorflow.python.distribute import distribute_utils
+from tensorflow.python.distribute import input_lib
+from tensorflow.python.distribute import parameter_server_strategy_v2
+from tensorflow.python.distribute import ps_values
+from tensorflow.python.distribute.coordinator import (
+    cluster_coordinator as coordinator_lib,
+)
+from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.trackable import base as trackable
+from tf_keras.src.engine import training as keras_training
+from tf_keras.src.mixed_precision import loss_scale_optimizer as lso
+
+# Graph ops [2.21] [2.15: kept] -----------------------------------------------
+# `tf.Operation` has no public way to change an op once it exists (TF1's
+# `graph_editor` is gone); tf2sync rewires a step's graph after tracing it.
+# These are C++ (pybind) methods of `Operation`.
+
+
+def update_op_input(op, index, tensor) -> None:
+    """Makes `tensor` the `index`-th input of `op` (`_update_input`)."""
+    op._update_input(index, tensor)
+
+
+def add_control_inputs(op, ops) -> None:
+    """Adds control inputs to an existing op (`_add_control_inputs`);
+    `tf.control_dependencies` does it only for ops not yet created."""
+    op._add_control_inputs(list(ops))
+
+
+def replace_control_inputs(op, ops) -> None:
+    """Makes `ops` exactly the control inputs of `op`."""
+    op._remove_all_control_inputs()
+    op._add_control_inputs(list(ops))
+
+
+def op_is_stateful(op) -> bool:
+    """Whether `op` is stateful (`_is_stateful`). The public
+    `op.op_def.is_stateful` does not cover ops whose type is a function."""
+    return bool(op._is_stateful)
+
+
+# Distribute / ParameterServerStrategy [2.21] [2.15: kept] --------------------
+# PSS's variables, read cache and datasets have no public handles beyond
+# `tf.distribute.Strategy`'s.
+
+
+def plain_resource_variable(
+    initial_value, name, dtype=None, *, device=None, trainable=False
+):
+    """A resource variable outside any strategy, made under `init_scope`.
+
+    No public form: `tf.Variable` goes through the creator of the strategy
+    in scope (under PSS: a ps variable, placed round-robin).
+    """
+    place = tf.device(device) if device else contextlib.nullcontext()
+    with tf.init_scope(), place:
+        return resource_variable_ops.ResourceVariable(
+            initial_value, trainable=trainable, name=name, dtype=dtype
+        )
+
+
+def is_caching_variable(var) -> bool:
+    """Whether `var` is PSS's variable with a read cache (no public class:
+    `ps_values.CachingVariable`, what PSS's creator returns or wraps)."""
+    return isinstance(var, ps_values.CachingVariable)
+
+
+def in_read_caching_scope() -> bool:
+    """Whether `read_caching_scope()` is active (it cannot nest)."""
+    return distribute_utils.caching_scope_local.in_caching_scope()
+
+
+def read_caching_scope():
+    """PSS's `cache_variable_reads()` scope: one read per variable.
+
+    Internal to PSS (tf_keras's coordinator evaluation used it).
+    """
+    return distribute_utils.cache_variable_reads()
+
+
+def start_read_cache(var) -> None:
+    """Empties `var`'s read cache and ties it to the current caching scope
+    (`_cache`, `_current_new_cache_scope_count`)."""
+    var._cache = None
+    count = distribute_utils.caching_scope_local.new_cache_scope_count
+    var._current_new_cache_scope_count = count
+
+
+def clear_read_cache(var) -> None:
+    """Empties `var`'s read cache (`_cache`)."""
+    var._cache = None
+
+
+def cached_read(var):
+    """The tensor `var`'s read cache holds, or None (`_cache`)."""
+    return var._cache
+
+
+def inner_variable(var):
+    """The variable a `CachingVariable` wraps (`_v`): its `device` is the
+    ps task's; its `handle` is what the step's reads capture."""
+    return var._v
+
+
+# The class of `strategy.extended` under PSS, for subclassing: no public
+# name (tf2sync overrides its `_create_variable`, `_update` and
+# `_experimental_distribute_dataset` hooks).
+ParameterServerExtended = (
+    parameter_server_strategy_v2.ParameterServerStrategyV2Extended
+)
+
+
+def replace_extended_class(strategy, cls) -> None:
+    """Makes `strategy.extended` a `cls`, a subclass of its class: PSS's
+    `__init__` builds it with no way to choose the class."""
+    if not issubclass(cls, type(strategy.extended)):
+        raise TypeError(f"{cls!r} does not subclass {type(strategy.extended)}")
+    strategy.extended.__class__ = cls
+
+
+def num_workers(strategy) -> int:
+    """A PSS's worker tasks (`extended._num_workers`), 1 for another
+    strategy; public only through its cluster resolver's spec."""
+    return int(getattr(strategy.extended, "_num_workers", 1))
+
+
+def num_gpus_per_worker(strategy) -> int:
+    """A PSS's GPUs per worker (`extended._num_gpus_per_worker`)."""
+    return int(strategy.extended._num_gpus_per_worker)
+
+
+def is_distributed_dataset(obj) -> bool:
+    """Whether `obj` is what `experimental_distribute_dataset` returns
+    (`input_lib.DistributedDataset`; `tf.distribute.DistributedDataset` is
+    an interface that `distribute_datasets_from_function`'s shares)."""
+    return isinstance(obj, input_lib.DistributedDataset)
+
+
+def distributed_dataset_is_built(dataset) -> bool:
+    """Whether a `DistributedDataset` built its iterators (`_built`)."""
+    return bool(dataset._built)
+
+
+def distributed_dataset_source(dataset):
+    """The dataset a `DistributedDataset` wraps (`_original_dataset`)."""
+    return dataset._original_dataset
+
+
+def worker_local_dataset(dataset):
+    """The one `tf.data.Dataset` of a distributed dataset built inside a
+    per-worker dataset function (`_datasets[0]`, `_cloned_datasets[0]`);
+    any other `dataset` unchanged."""
+    if isinstance(dataset, input_lib.DistributedDatasetsFromFunction):
+        return dataset._datasets[0]
+    if isinstance(dataset, input_lib.DistributedDataset):
+        return dataset._cloned_datasets[0]
+    return dataset
+
+
+# Coordinator [2.21] [2.15: kept] ---------------------------------------------
+# `tf.distribute.coordinator.ClusterCoordinator` and
+# `tf.distribute.experimental.coordinator.PerWorkerValues` are public: the very
+# classes of `cluster_coordinator` and `coordinator.values` [2.21].
+
+
+def strategy_coordinator(strategy):
+    """The `ClusterCoordinator` of `strategy`, or None
+    (`_cluster_coordinator`; `ClusterCoordinator(strategy)` makes one)."""
+    return getattr(strategy, "_cluster_coordinator", None)
+
+
+def coordinator_workers(coordinator) -> list:
+    """The coordinator's workers, in task order (`_cluster.workers`); each
+    has `create_resource(fn)`. No public list."""
+    return list(coordinator._cluster.workers)
+
+
+def inflight_closures(coordinator) -> tuple[int, bool]:
+    """`(closures running on workers, whether none waits for a worker)`,
+    from the closure queue; `coordinator.done()` is both in one bool."""
+    queue = coordinator._cluster.closure_queue
+    return int(queue._inflight_closure_count), queue._queue.empty()
+
+
+def worker_slice_specs(structure, worker: int = 0):
+    """Worker `worker`'s slice of `schedule` arguments, as the specs
+    `ClusterCoordinator.schedule` traces a function with."""
+    return tf.nest.map_structure(
+        coordinator_lib._maybe_as_type_spec,
+        coordinator_lib._select_worker_slice(worker, structure),
+    )
+
+
+def caller_self_of_type(type_name):
+    """The nearest caller's `self` whose class is named `type_name`, or None.
+
+    tf_keras's data handlers call the strategy without saying who they are;
+    the stack does (`sys._getframe`). If tf_keras renamed the class, this
+    finds nothing and each caller falls to its safe side. The names used
+    (`_ClusterCoordinatorDataHandler`, `..ExactEvalDataHandler`) [2.21].
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if type(owner).__name__ == type_name:
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def data_handler_model(handler):
+    """The model a tf_keras data handler serves (`_model`), or None."""
+    return getattr(handler, "_model", None)
+
+
+# tf_keras training [2.21] [2.15: kept] ---------------------------------------
+# tf2sync makes `fit`'s train function itself, from tf_keras's own pieces,
+# which `tf.keras.Model` does not export.
+
+
+def is_keras_train_step(fn) -> bool:
+    """True for the `run_step` of tf_keras's `make_train_function`.
+
+    Version gate: its `__qualname__` names `make_train_function`, or is
+    `tf__step_function.<locals>.run_step` where AutoGraph converted
+    `step_function` (tf_keras 2.15) [2.15: kept]. The test function's
+    step matches the second form too.
+    """
+    qualname = getattr(fn, "__qualname__", "")
+    return "make_train_function" in qualname or qualname.endswith(
+        "step_function.<locals>.run_step"
+    )
+
+
+def reduce_per_replica(values, strategy, reduction):
+    """tf_keras's reduction of a step's per-replica outputs."""
+    return keras_training.reduce_per_replica(
+        values, strategy, reduction=reduction
+    )
+
+
+def minimum_control_deps(outputs) -> list:
+    """What tf_keras's train function waits on before counting a step."""
+    return keras_training._minimum_control_deps(outputs)
+
+
+def model_coordinator(model):
+    """The coordinator `fit` runs `model` on (`_cluster_coordinator`)."""
+    return getattr(model, "_cluster_coordinator", None)
+
+
+def train_counter(model):
+    """`model`'s count of train steps run (`_train_counter`)."""
+    return model._train_counter
+
+
+def steps_per_execution_variable(model):
+    """The variable behind `model.steps_per_execution`, or None."""
+    return getattr(model, "_steps_per_execution", None)
+
+
+def set_steps_per_execution_variable(model, variable) -> None:
+    """Makes `variable` the one behind `model.steps_per_execution`,
+    untracked (as tf_keras's own, see `_configure_steps_per_execution`)."""
+    with trackable.no_automatic_dependency_tracking_scope(model):
+        model._steps_per_execution = variable
+
+
+def data_handler_steps_per_execution(handler):
+    """The `steps_per_execution` variable a data handler reads, or None."""
+    return getattr(handler, "_steps_per_execution", None)
+
+
+def set_data_handler_steps_per_execution(handler, variable) -> None:
+    """Makes a data handler read `variable` as its `steps_per_execution`."""
+    handler._steps_per_execution = variable
+
+
+def running_fit_data_handler(model):
+    """The data handler of the `fit` of `model` on the stack, or None.
+
+    (The `data_handler` local of a frame of `fit` whose `self` is `model`,
+    through `sys._getframe`.) `fit` shows no public view of the call it
+    makes now.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        code, names = frame.f_code, frame.f_locals
+        if code.co_name == "fit" and names.get("self") is model:
+            return names.get("data_handler")
+        frame = frame.f_back
+    return None
+
+
+def epoch_logs_validator(model):
+    """`model`'s end-of-epoch check of its logs, which swaps in the exact
+    metrics after a coordinator's join (`_validate_and_get_metrics_result`)."""
+    return model._validate_and_get_metrics_result
+
+
+def override_epoch_logs_validator(model, validate) -> None:
+    """Makes `validate(logs)` `model`'s end-of-epoch check (the instance's)."""
+    model._validate_and_get_metrics_result = validate
+
+
+def restore_epoch_logs_validator(model) -> None:
+    """Undoes `override_epoch_logs_validator`: the class's method again."""
+    if "_validate_and_get_metrics_result" in vars(model):
+        del model._validate_and_get_metrics_result
+
+
+# tf_keras optimizers [2.21] [2.15: kept] -------------------------------------
+# Both families' update kernels, for `keras_compat` to call in the ps's
+# critical section, where the public `apply_gradients` (a `merge_call`;
+# `iterations` + 1 per caller) cannot run.
+
+
+def track_child(parent, child, name: str) -> None:
+    """Saves `child` in `parent`'s checkpoints as `name` (`_track_trackable`;
+    optimizers do not track their attributes)."""
+    parent._track_trackable(child, name)
+
+
+def tracks_child(parent, name: str) -> bool:
+    """Whether `parent` tracks a child named `name` (`_lookup_dependency`)."""
+    parent._maybe_initialize_trackable()  # as `_track_trackable` does
+    return parent._lookup_dependency(name) is not None
+
+
+def created_step_variable(optimizer):
+    """`optimizer.iterations` if created, else None (reading it creates it)."""
+    return getattr(optimizer, "_iterations", None)
+
+
+def optimizer_name(optimizer) -> str:
+    """The optimizer's name (`_name`, else `name`), or ""."""
+    return getattr(optimizer, "_name", None) or getattr(optimizer, "name", "")
+
+
+def legacy_create_all_weights(optimizer, var_list) -> None:
+    """Creates a legacy optimizer's slots and hyperparameters."""
+    optimizer._create_all_weights(var_list)
+
+
+def legacy_transform_gradients(optimizer, grads_and_vars):
+    """A legacy optimizer's clipping of `(gradient, variable)` pairs."""
+    return optimizer._transform_gradients(grads_and_vars)
+
+
+def legacy_prepare(optimizer, var_list):
+    """A legacy optimizer's per-step `apply_state`."""
+    return optimizer._prepare(var_list)
+
+
+def legacy_apply_dense(optimizer, grad, var, apply_state):
+    """A legacy optimizer's dense update kernel."""
+    return optimizer._resource_apply_dense(grad, var, apply_state=apply_state)
+
+
+def legacy_apply_sparse(
+    optimizer, values, var, indices, apply_state, *, unique
+):
+    """A legacy optimizer's sparse update kernel: for `indices` without
+    duplicates if `unique`, else the one that sums duplicates first."""
+    if unique:
+        apply = optimizer._resource_apply_sparse
+    else:
+        apply = optimizer._resource_apply_sparse_duplicate_indices
+    return apply(values, var, indices, apply_state=apply_state)
+
+
+def legacy_sparse_dedup_is_plain(optimizer) -> bool:
+    """Whether a legacy optimizer's duplicate-index kernel only sums the
+    duplicates: the base's, or SGD's with momentum (without, it scatters)."""
+    base = tf_keras.optimizers.legacy.Optimizer
+    method = type(optimizer)._resource_apply_sparse_duplicate_indices
+    if method is base._resource_apply_sparse_duplicate_indices:
+        return True
+    sgd = tf_keras.optimizers.legacy.SGD
+    return (
+        isinstance(optimizer, sgd)
+        and method is sgd._resource_apply_sparse_duplicate_indices
+        and bool(optimizer._momentum)
+    )
+
+
+def new_learning_rate_uncomputed(optimizer) -> bool:
+    """Whether a new-family optimizer's schedule has no current rate yet."""
+    schedule = tf_keras.optimizers.schedules.LearningRateSchedule
+    return isinstance(optimizer._learning_rate, schedule) and not hasattr(
+        optimizer, "_current_learning_rate"
+    )
+
+
+def new_compute_learning_rate(optimizer) -> None:
+    """Evaluates a new-family optimizer's rate at its `iterations`."""
+    optimizer._compute_current_learning_rate()
+
+
+def new_clip_gradients(optimizer, grads):
+    """A new-family optimizer's clipping."""
+    return optimizer._clip_gradients(grads)
+
+
+def new_apply_weight_decay(optimizer, var_list) -> None:
+    """A new-family optimizer's decoupled weight decay."""
+    optimizer._apply_weight_decay(var_list)
+
+
+def new_update_step(optimizer, grad, var):
+    """A new-family optimizer's per-variable update kernel."""
+    return optimizer._update_step(grad, var)
+
+
+def new_update_moving_averages(optimizer, var_list) -> None:
+    """A new-family optimizer's `use_ema` update of the model's variables."""
+    optimizer._update_model_variables_moving_average(var_list)
+
+
+def legacy_distributed_apply(optimizer, strategy, grads_and_vars, state, name):
+    """A legacy optimizer's cross-replica apply (`_distributed_apply`, with
+    `state` from `legacy_prepare`): its kernels, then `iterations` + 1."""
+    return optimizer._distributed_apply(
+        strategy, grads_and_vars, state, name=name
+    )
+
+
+def new_distributed_apply(optimizer, strategy, grads_and_vars):
+    """A new-family optimizer's cross-replica apply, `iterations` + 1."""
+    return optimizer._distributed_apply_gradients_fn(strategy, grads_and_vars)
+
+
+def is_tfa_multi_optimizer(optimizer) -> bool:
+    """True for `tfa.optimizers.MultiOptimizer`, without importing tfa.
+
+    Version gate: tensorflow-addons imports only up to TF 2.15 [2.15:
+    kept]; on 2.21 nothing is one [2.21]. `optimizer_specs` is public.
+    """
+    cls = type(optimizer)
+    return (
+        cls.__name__ == "MultiOptimizer"
+        and (cls.__module__ or "").startswith("tensorflow_addons.")
+        and isinstance(getattr(optimizer, "optimizer_specs", None), list)
+    )
+
+
+def standalone_keras_2_loaded() -> bool:
+    """Whether `import keras` gave Keras 2, not tf_keras: a version gate
+    (TF <= 2.15 ships Keras 2 as `keras` [2.15: kept]; 2.16+ Keras 3)."""
+    version = getattr(sys.modules.get("keras"), "__version__", "")
+    return version.startswith("2.")
+
+
+# tf.compat.v1.train optimizers (the TF1 shim) [2.21] [2.15: kept] ------------
+# A TF1 optimizer's `apply_gradients` under a strategy does a `merge_call`; the
+# shim applies in cross-replica context itself.
+
+
+def tf1_optimizer_apply(optimizer, strategy, grads_and_vars, global_step):
+    """A TF1 optimizer's cross-replica apply (`_distributed_apply`)."""
+    return optimizer._distributed_apply(strategy, grads_and_vars, global_step)
+
+
+def tf1_optimizer_create_slots(optimizer, var_list) -> None:
+    """A TF1 optimizer's slots for `var_list` (`_create_slots`)."""
+    optimizer._create_slots(var_list)
+
+
+def tf1_optimizer_prepare(optimizer) -> None:
+    """A TF1 optimizer's per-step tensors (`_prepare`)."""
+    optimizer._prepare()
+
+
+def tf1_optimizer_variables(optimizer) -> list:
+    """A TF1 optimizer's non-slot variables and slots, of any graph (its
+    `variables()` keeps those of the thread's default graph)."""
+    found = list(optimizer._non_slot_variables())
+    for slots in optimizer._slots.values():
+        found.extend(slots.values())
+    return found
+
+
+# Mixed precision [2.21] [2.15: kept] -----------------------------------------
+# `tf_keras.mixed_precision.LossScaleOptimizer` (public) is the base class of
+# both families' loss-scale optimizers [2.21], for `isinstance`. tf_keras
+# refuses loss scaling under PSS, with no hook.
+
+# The legacy family's loss-scale optimizer, to subclass: the public class
+# picks the family from its inner optimizer (a metaclass) when called.
+LegacyLossScaleOptimizer = lso.LossScaleOptimizer
+
+# tf_keras's own answer, kept before `install_loss_scaling_predicate`.
+_KERAS_SUPPORTS_LOSS_SCALING = lso.strategy_supports_loss_scaling
+
+
+def keras_supports_loss_scaling() -> bool:
+    """tf_keras's own `strategy_supports_loss_scaling()`."""
+    return _KERAS_SUPPORTS_LOSS_SCALING()
+
+
+def install_loss_scaling_predicate(predicate) -> None:
+    """Makes tf_keras ask `predicate()` whether the strategy in scope
+    supports loss scaling, before it builds a mixed_float16 layer or a
+    loss-scale optimizer (it looks the function up at each call)."""
+    lso.strategy_supports_loss_scaling = predicate
+
+
+def dynamic_loss_scale_state(optimizer):
+    """A dynamic loss-scale optimizer's state (`_loss_scale`), with public
+    `current_loss_scale`, `counter`, `multiplier` and `growth_steps`."""
+    return optimizer._loss_scale
+
+
+def is_wrapped_by_loss_scale_optimizer(optimizer) -> bool:
+    """Whether a tf_keras loss-scale optimizer wraps `optimizer` (the flag
+    it sets on it)."""
+    return bool(getattr(optimizer, "_is_wrapped_by_loss_scale_optimizer", 0))
