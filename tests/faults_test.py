@@ -27,7 +27,7 @@ class TokenWatchdogTest(absltest.TestCase):
         aggregator = opt._aggregator
         # A worker took a token and died before pushing: the token is gone.
         with tf.device(aggregator.device):
-            aggregator._tokens.dequeue()
+            aggregator.token_queue.dequeue()
         self.assertEqual(aggregator.tokens_available(), 1)
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         x, y = testutil.data("dense", 8)

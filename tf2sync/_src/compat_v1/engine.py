@@ -161,15 +161,12 @@ class PushFirstStep:
         """The step's one push, then its token; returns the token."""
         self._join(step.entries)
         grads_and_vars = []
-        for _, gvs, _ in step.entries:
-            for grad, var in gvs:
-                if grad is None:
-                    continue
-                if isinstance(grad, tf.IndexedSlices):
-                    # TF1 counts a row once per push: sum it within one.
-                    ids, rows = wire.dedup(grad)
-                    grad = tf.IndexedSlices(rows, ids, grad.dense_shape)
-                grads_and_vars.append((grad, var))
+        for grad, var in _one_per_variable(step.entries):
+            if isinstance(grad, tf.IndexedSlices):
+                # TF1 counts a row once per push: sum it within one.
+                ids, rows = wire.dedup(grad)
+                grad = tf.IndexedSlices(rows, ids, grad.dense_shape)
+            grads_and_vars.append((grad, var))
         aggregator = self._aggregator_for(grads_and_vars)
         with tf.control_dependencies(step.after):
             tag = tf.gather(self.local_steps, step.worker)
@@ -376,3 +373,36 @@ class PushFirstStep:
 def _worker_or_zero():
     worker = step_context.current_worker()
     return tf.constant(0, tf.int64) if worker is None else worker
+
+
+def _one_per_variable(entries):
+    """The step's `(gradient, variable)` pairs, one per variable, in order.
+
+    On a worker with several GPUs each replica applies its own gradients
+    in the same traced step; the worker pushes once, with their sum (as
+    `tf2sync.SyncOptimizer` does): dense gradients added, sparse rows
+    concatenated.
+    """
+    order, grads = [], {}
+    for _, gvs, _ in entries:
+        for grad, var in gvs:
+            if grad is None:
+                continue
+            if id(var) not in grads:
+                order.append(var)
+            grads.setdefault(id(var), []).append(grad)
+    pairs = []
+    for var in order:
+        parts = grads[id(var)]
+        if len(parts) == 1:
+            grad = parts[0]
+        elif isinstance(parts[0], tf.IndexedSlices):
+            grad = tf.IndexedSlices(
+                tf.concat([p.values for p in parts], 0),
+                tf.concat([p.indices for p in parts], 0),
+                parts[0].dense_shape,
+            )
+        else:
+            grad = tf.add_n(parts)
+        pairs.append((grad, var))
+    return pairs
