@@ -40,6 +40,9 @@ SCENARIOS = (
     "accuracy",
 )
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# A baseline tree's own worker (--baseline_tree): it imports that tree's
+# tf2sync and its own benchmarks/ modules, and speaks the same protocol.
+BASELINE_WORKER = os.path.join("benchmarks", "pss_worker.py")
 
 
 class Sink:
@@ -123,17 +126,27 @@ class Bench:
 
     # -- subprocesses -----------------------------------------------------
 
-    def _start(self, name, argv, env=None, protocol=True):
+    def _start(self, name, argv, env=None, protocol=True, tree=None):
         child = self.registry.start(name, argv, env=env, protocol=protocol)
-        self.sink.write({"event": "started", **child.record()})
+        where = {"tree": tree} if tree else {}
+        self.sink.write({"event": "started", **child.record(), **where})
         return child
 
     def _python(self, script, *args):
         return [sys.executable, os.path.join(_HERE, script), *args]
 
     def start_pss(
-        self, name, workers, local_workers=2, cluster_spec=None, optimizer=None
+        self,
+        name,
+        workers,
+        local_workers=2,
+        cluster_spec=None,
+        optimizer=None,
+        tree=None,
     ):
+        """A pss_worker.py child; from the checkout `tree` if given (its own
+        script, with PYTHONPATH=tree so that it imports that tree's
+        tf2sync), else from this one."""
         args = [
             f"--workers={workers}",
             f"--local_workers={local_workers}",
@@ -141,7 +154,12 @@ class Bench:
         ]
         if cluster_spec:
             args.append("--cluster_spec=" + json.dumps(cluster_spec))
-        return self._start(name, self._python("pss_worker.py", *args))
+        if tree is None:
+            return self._start(name, self._python("pss_worker.py", *args))
+        path = os.environ.get("PYTHONPATH")
+        env = {"PYTHONPATH": os.pathsep.join([tree] + ([path] if path else []))}
+        argv = [sys.executable, os.path.join(tree, BASELINE_WORKER), *args]
+        return self._start(name, argv, env=env, tree=tree)
 
     def start_tf1(self, workload, workers):
         return self._start(

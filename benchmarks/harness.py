@@ -33,6 +33,13 @@ vs stock PSS), `scaling` (tf2sync step cost with 1..4 workers on w1),
 table 4 x as large), `accuracy`
 (time to 95 % held-out accuracy on digits, tf2sync vs stock PSS).
 
+Before and after (--baseline_tree=PATH, e.g. a git worktree of the
+previous commit): every tf2sync system of the main scenario also runs from
+PATH, as `<system>@baseline` (PATH/benchmarks/pss_worker.py with
+PYTHONPATH=PATH, on a cluster of its own), interleaved in the same rounds
+as the current tree's; the report adds "Before and after" (current /
+baseline, PASS at >= 0.95). Other systems run once, from this tree.
+
 Synchronous systems count aggregated examples only (accepted gradients x
 B); asynchronous ones count every applied step. Writes JSON lines, a
 Markdown report (targets with PASS / MISS) and, when matplotlib imports, a
@@ -41,6 +48,9 @@ PNG plot under --output_dir (default docs/).
   python benchmarks/harness.py          # the full run: ~8-13 min, 2 cores
   python benchmarks/harness.py --smoke --output_dir=/tmp/b   # ~15 s
   python benchmarks/harness.py --from_jsonl=docs/benchmarks.jsonl
+  python benchmarks/harness.py --scenarios=main --output_dir=/tmp/ba
+      --systems=local,tf2sync_fit,tf2sync_loop,tf1_sync
+      --baseline_tree=/tmp/base    # before and after (one command line)
 """
 
 from __future__ import annotations
@@ -145,6 +155,13 @@ _SMOKE = flags.DEFINE_bool(
 _FROM_JSONL = flags.DEFINE_string(
     "from_jsonl", None, "Only rewrite the report from these JSON lines."
 )
+_BASELINE_TREE = flags.DEFINE_string(
+    "baseline_tree",
+    None,
+    "A checkout of the library to compare with (its tf2sync/ and "
+    "benchmarks/): each tf2sync system of the main scenario also runs from "
+    "it, as <system>@baseline, interleaved with the current tree's.",
+)
 
 
 for _name in (
@@ -170,6 +187,28 @@ for _name in ("scaling_workers", "model_widths", "memory_workers"):
     )
 
 
+def _baseline_tree_ok(path) -> bool:
+    """--baseline_tree: a directory with tf2sync/ and benchmarks/pss_worker.py
+    (raises `flags.ValidationError`, which absl prints as one line naming
+    the flag and its value)."""
+    if path is None:
+        return True
+    if not os.path.isdir(path):
+        raise flags.ValidationError("no such directory.")
+    for needed in (
+        os.path.join("tf2sync", "__init__.py"),
+        driver.BASELINE_WORKER,
+    ):
+        if not os.path.isfile(os.path.join(path, needed)):
+            raise flags.ValidationError(
+                f"lacks {needed} (want a checkout of this repository)."
+            )
+    return True
+
+
+flags.register_validator("baseline_tree", _baseline_tree_ok)
+
+
 @dataclasses.dataclass
 class Settings:
     """The run's parameters, from the flags."""
@@ -191,6 +230,7 @@ class Settings:
     memory_repeats: int
     accuracy_target: float
     accuracy_epochs: int
+    baseline_tree: str | None = None
 
 
 def _settings() -> Settings:
@@ -228,6 +268,8 @@ def _settings() -> Settings:
         memory_repeats=given(_MEMORY_REPEATS, 1),
         accuracy_target=_ACCURACY_TARGET.value,
         accuracy_epochs=given(_ACCURACY_EPOCHS, 2),
+        baseline_tree=_BASELINE_TREE.value
+        and os.path.abspath(_BASELINE_TREE.value),
     )
 
 
@@ -242,6 +284,15 @@ def _check(settings):
             raise app.UsageError(
                 f"--{name}: unknown {unknown}; choose from {list(allowed)}."
             )
+    if settings.baseline_tree and not (
+        "main" in settings.scenarios
+        and any(x.startswith("tf2sync") for x in settings.systems)
+    ):
+        raise app.UsageError(
+            f"--baseline_tree={settings.baseline_tree}: compares the main "
+            "scenario's tf2sync systems; select --scenarios=main and a "
+            "tf2sync_* system."
+        )
 
 
 def main(argv):

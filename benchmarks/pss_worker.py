@@ -37,7 +37,6 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 import tf2sync  # noqa: E402
-from tf2sync._src import loops  # noqa: E402
 
 _WORKERS = flags.DEFINE_integer(
     "workers", 2, "Worker tasks (0: no cluster, for the `local` system)."
@@ -124,7 +123,7 @@ class _Server:
                 self.kind,
                 sync=sync,
                 delay_s=delay_s,
-                group=_loop_group(system, k),
+                group=_loop_group(system, k, strategy),
             )
             answer["delay_s"] = delay_s
         self.runners[key] = runner
@@ -160,10 +159,10 @@ def main(argv):
     )
 
 
-def _loop_group(system, k):
+def _loop_group(system, k, strategy):
     """`LoopRunner`'s `group` for a loop system (see `sections.SYSTEM_TEXT`)."""
     if system == "tf2sync_loop":  # tf2sync.Trainer's default
-        return loops.MAX_UNROLLED_STEPS
+        return strategy.options.max_unrolled_steps
     if system.endswith("_unrolled"):
         return k
     return None  # a tf.while_loop of single steps

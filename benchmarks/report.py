@@ -245,6 +245,7 @@ def render(records, image_note) -> str:
     ]
     lines += sections.main_section(records) + [image_note, ""]
     for title, section in (
+        ("Before and after", sections.before_after_section(records)),
         ("Straggler", sections.straggler_section(records)),
         ("Scaling", sections.scaling_section(records)),
         ("Model size", sections.model_size_section(records)),

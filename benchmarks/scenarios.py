@@ -1,6 +1,8 @@
 """The benchmark scenarios, each on subprocesses that `driver.Bench` starts.
 
-* `main`: each requested system on one workload, 2 workers + 1 ps.
+* `main`: each requested system on one workload, 2 workers + 1 ps (and,
+  with --baseline_tree, each tf2sync system also from that tree, as
+  `<system>@baseline`).
 * `straggler`: 3 workers, worker 0 sleeping `straggler_factor` x its
   compute time per step: tf2sync with 0 and 1 backup worker, stock PSS.
 * `scaling`: the step cost of tf2sync's custom loop with 1..4 workers (w1).
@@ -18,6 +20,7 @@ import time
 import procs
 from driver import PSS_SYSTEMS
 from driver import Endpoint
+from sections import BASELINE
 
 MEMORY_FUNCTIONS = 10  # timed functions per memory cell (peaks show at once)
 
@@ -33,7 +36,7 @@ def scenario_main(bench, workload, workers=2):
         "functions": s.functions[workload],
     }
     common = {"workload": workload, "k": s.k}
-    endpoints = []
+    endpoints, extra = [], {}
     pss = [x for x in s.systems if x in PSS_SYSTEMS]
     if pss:
         child = bench.start_pss(f"pss_{workload}", workers)
@@ -41,6 +44,19 @@ def scenario_main(bench, workload, workers=2):
             Endpoint(x, "pss", [child], {"system": x, **common}, workers)
             for x in pss
         ]
+    compared = [x for x in pss if x.startswith("tf2sync")]
+    if s.baseline_tree and compared:
+        # The baseline tree's tf2sync systems, on a cluster of their own
+        # (one version per process), in the same rounds as the current.
+        child = bench.start_pss(
+            f"pss_{workload}_baseline", workers, tree=s.baseline_tree
+        )
+        for x in compared:
+            name = x + BASELINE
+            endpoints.append(
+                Endpoint(name, "pss", [child], {"system": x, **common}, workers)
+            )
+            extra[name] = {"baseline_of": x}
     if "local" in s.systems:
         child = bench.start_pss(f"local_{workload}", 0, local_workers=workers)
         endpoints.append(
@@ -58,10 +74,16 @@ def scenario_main(bench, workload, workers=2):
         endpoints.append(
             Endpoint("mwms", "mwms", children, {"k": s.k}, workers)
         )
-    endpoints.sort(key=lambda e: s.systems.index(e.name))
+    # Each baseline right after its current system (the order rotates).
+    endpoints.sort(
+        key=lambda e: (
+            s.systems.index(e.name.removesuffix(BASELINE)),
+            e.name.endswith(BASELINE),
+        )
+    )
     try:
         bench.setup(endpoints, base)
-        bench.interleave(endpoints, s.functions[workload], base, {})
+        bench.interleave(endpoints, s.functions[workload], base, extra)
     finally:
         bench.close(endpoints)
 

@@ -35,6 +35,11 @@ SYSTEM_TEXT = {
     "MonitoredTrainingSession per worker thread",
     "mwms": "MultiWorkerMirroredStrategy, one process per worker",
 }
+# The suffix of a system run from --baseline_tree (`tf2sync_loop@baseline`),
+# and the share of the baseline's examples/s that the current tree keeps
+# at least (the "Before and after" section's PASS).
+BASELINE = "@baseline"
+BASELINE_KEEP = 0.95
 # Embedding rows of w3 and of w3_x4, the memory scenario's 4 x control
 # (benchmarks/workloads.py; this module does not import TensorFlow).
 EMBEDDING_ROWS = {"w3": 100_000, "w3_x4": 400_000}
@@ -122,6 +127,120 @@ def main_section(records) -> list[str]:
         lines += [f"### {workload}: {WORKLOAD_TEXT[workload]}", ""]
         lines += table(header, rows) + [""]
     return lines
+
+
+def before_after_rows(records) -> list[dict]:
+    """Per workload and tf2sync system run from --baseline_tree: the medians
+    of examples/s of the current tree and the baseline, current / baseline,
+    each one's ratios to local and tf1_sync, and PASS / MISS / n/a for
+    current / baseline >= BASELINE_KEEP. None where not measured."""
+    found = rates(records, "main")
+    cpu = rates(records, "main", "cpu_us_per_example")
+    failed = {
+        (r.get("workload"), r.get("system"))
+        for r in records
+        if "error" in r and r.get("scenario") == "main"
+    }
+    ran = set(found) | failed
+    if not any(system.endswith(BASELINE) for _, system in ran):
+        return []
+    rows = []
+    for workload in WORKLOADS:
+        local = median(found.get((workload, "local")))
+        tf1 = median(found.get((workload, "tf1_sync")))
+        for system in SYSTEM_TEXT:
+            then = system + BASELINE
+            if not system.startswith("tf2sync") or (workload, then) not in ran:
+                continue
+            now_rate = median(found.get((workload, system)))
+            then_rate = median(found.get((workload, then)))
+            kept = ratio(now_rate, then_rate)
+            rows.append(
+                {
+                    "workload": workload,
+                    "system": system,
+                    "current": now_rate,
+                    "baseline": then_rate,
+                    "runs": (
+                        len(found.get((workload, system), [])),
+                        len(found.get((workload, then), [])),
+                    ),
+                    "ratio": kept,
+                    "vs_local": (
+                        ratio(now_rate, local),
+                        ratio(then_rate, local),
+                    ),
+                    "vs_tf1_sync": (
+                        ratio(now_rate, tf1),
+                        ratio(then_rate, tf1),
+                    ),
+                    "cpu_us": (
+                        median(cpu.get((workload, system))),
+                        median(cpu.get((workload, then))),
+                    ),
+                    "result": (
+                        "n/a (not measured)"
+                        if kept is None
+                        else "PASS"
+                        if kept >= BASELINE_KEEP
+                        else "MISS"
+                    ),
+                }
+            )
+    return rows
+
+
+def before_after_section(records) -> list[str]:
+    """The current tree against --baseline_tree (none without it)."""
+    found = before_after_rows(records)
+    if not found:
+        return []
+    config = next((r for r in records if r.get("event") == "config"), {})
+    tree = config.get("baseline_tree") or "?"
+
+    def pair(values, spec):
+        return " / ".join(fmt(v, spec) for v in values)
+
+    rows = [
+        [
+            r["workload"],
+            f"`{r['system']}`",
+            fmt(r["current"]),
+            fmt(r["baseline"]),
+            pair(r["runs"], "d"),
+            fmt(r["ratio"], ".3f"),
+            pair(r["vs_local"], ".2f"),
+            pair(r["vs_tf1_sync"], ".2f"),
+            pair(r["cpu_us"], ".1f"),
+            r["result"],
+        ]
+        for r in found
+    ]
+    missed = [f"{r['workload']} `{r['system']}`" for r in found]
+    missed = [m for m, r in zip(missed, found) if r["result"] != "PASS"]
+    verdict = (
+        f"Every cell keeps >= {BASELINE_KEEP:.2f} x the baseline."
+        if not missed
+        else f"Not PASS (MISS or not measured): {', '.join(missed)}."
+    )
+    header = ["workload", "system", "current ex/s", "baseline ex/s"]
+    header += ["runs (current / baseline)", "current / baseline"]
+    header += ["vs local (current / baseline)"]
+    header += ["vs tf1_sync (current / baseline)"]
+    header += ["CPU us / ex (current / baseline)"]
+    header.append(f"current / baseline >= {BASELINE_KEEP:.2f}")
+    return [
+        "Each tf2sync system of the main scenario, from this tree and from "
+        f"the baseline tree `{tree}` (`<system>{BASELINE}`: that tree's "
+        "own `benchmarks/pss_worker.py` and `tf2sync`, on a cluster of its "
+        "own), interleaved in the same rounds. Examples/s are medians of "
+        "the repeats; *current / baseline* is their ratio; the ratios to "
+        "`local` and `tf1_sync` are each version's median over the same "
+        f"run's (run once, from this tree). {verdict}",
+        "",
+        *table(header, rows),
+        "",
+    ]
 
 
 def _by_straggler(records):

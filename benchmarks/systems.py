@@ -102,7 +102,8 @@ class LoopRunner:
       group: How the function repeats the step: None, a `tf.while_loop`
         of single steps; an int, `tf2sync`'s loop with up to that many
         copies of the step per loop iteration (`group >= k`: all k steps
-        repeated in the graph, no loop).
+        repeated in the graph, no loop; `tf2sync.Trainer`'s default is
+        the strategy's `options.max_unrolled_steps`).
     """
 
     def __init__(

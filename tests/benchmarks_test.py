@@ -7,6 +7,7 @@ tests, so nothing here asserts a speed.
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,7 +86,9 @@ class HarnessSmokeTest(absltest.TestCase):
             ],
             capture_output=True,
             text=True,
-            timeout=240,
+            # The memory smoke (12 fresh clusters) took 266 s on 2 cores
+            # that other processes shared.
+            timeout=480,
         )
         self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
         with open(os.path.join(out, "benchmarks.jsonl")) as f:
@@ -181,6 +184,75 @@ class HarnessSmokeTest(absltest.TestCase):
         self.assertIn("## Model size", markdown)
         self.assertIn("| 256 | 11,018 | ", markdown)  # 32*256 + 256 + 2570
 
+    def test_baseline_tree_runs_tf2sync_from_both_trees(self):
+        """--baseline_tree: a copy of this tree's tf2sync/ and benchmarks/,
+        marked so that its log tells which tf2sync each child imported."""
+        tree = os.path.join(self._tempdir(), "baseline")
+        for folder in ("tf2sync", "benchmarks"):
+            shutil.copytree(
+                os.path.join(_ROOT, folder),
+                os.path.join(tree, folder),
+                ignore=shutil.ignore_patterns("__pycache__"),
+            )
+        marker = "tf2sync imported from the baseline copy:"
+        with open(os.path.join(tree, "tf2sync", "__init__.py"), "a") as f:
+            f.write(
+                "\nimport sys as _sys\n\n"
+                f"print({marker!r}, __file__, file=_sys.stderr, flush=True)\n"
+            )
+        logs = os.path.join(self._tempdir(), "logs")
+        _, out, records = self._smoke(
+            "--scenarios=main",
+            "--workloads=w1",
+            "--systems=local,tf2sync_loop",
+            f"--baseline_tree={tree}",
+            f"--subprocess_logs={logs}",
+        )
+        runs = [
+            r
+            for r in records
+            if r.get("scenario") == "main" and "examples_per_sec" in r
+        ]
+        self.assertCountEqual(
+            [r["system"] for r in runs],
+            ["local", "tf2sync_loop", "tf2sync_loop@baseline"],
+        )
+        for r in runs:
+            self.assertGreater(r["examples"], 0, r)
+        self.assertEqual(
+            [r.get("baseline_of") for r in runs if "@" in r["system"]],
+            ["tf2sync_loop"],
+        )
+        started = [r for r in records if r.get("event") == "started"]
+        self.assertCountEqual(
+            [(r["name"], r.get("tree")) for r in started],
+            [("pss_w1", None), ("pss_w1_baseline", tree), ("local_w1", None)],
+        )
+        # One version per process: only the baseline's imported the copy.
+        with open(os.path.join(logs, "pss_w1_baseline.log")) as f:
+            self.assertIn(
+                f"{marker} {os.path.join(tree, 'tf2sync', '__init__.py')}",
+                f.read(),
+            )
+        for name in ("pss_w1", "local_w1"):
+            with open(os.path.join(logs, f"{name}.log")) as f:
+                self.assertNotIn(marker, f.read())
+
+        with open(os.path.join(out, "benchmarks.md")) as f:
+            markdown = f.read()
+        self.assertIn("## Before and after", markdown)
+        self.assertIn(f"the baseline tree `{tree}`", markdown)
+        self.assertRegex(markdown, r"\| w1 \| `tf2sync_loop` \| [0-9,]+ \| ")
+
+        done = [r for r in records if r.get("event") == "processes"]
+        self.assertLen(done, 1)
+        self.assertCountEqual(
+            [r["name"] for r in done[0]["started"]],
+            ["pss_w1", "pss_w1_baseline", "local_w1"],
+        )
+        self.assertEqual(done[0]["alive"], [])
+        _wait_gone(self, done[0]["started"], seconds=1.0)
+
     def test_killed_harness_leaves_no_process(self):
         """SIGKILL to the harness: the kernel ends its subprocesses."""
         out = self._tempdir()
@@ -232,6 +304,57 @@ class FlagTest(parameterized.TestCase):
         self.assertIn(named, proc.stderr)
 
 
+class BaselineTreeFlagTest(absltest.TestCase):
+    def _refused(self, *flags):
+        """The harness's one-line error for `flags` (it must fail)."""
+        proc = subprocess.run(
+            [sys.executable, _HARNESS, "--smoke", *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        self.assertNotEqual(proc.returncode, 0)
+        path = next(f for f in flags if f.startswith("--baseline_tree="))
+        lines = [line for line in proc.stderr.splitlines() if path in line]
+        self.assertLen(lines, 1, proc.stderr[-2000:])
+        return lines[0]
+
+    def _tree(self, *files):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        for name in files:
+            path = os.path.join(tmp.name, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "w").close()
+        return tmp.name
+
+    def test_a_missing_directory_is_refused_naming_flag_and_value(self):
+        path = os.path.join(self._tree(), "nothing_here")
+        line = self._refused(f"--baseline_tree={path}")
+        self.assertIn(f"--baseline_tree={path}: no such directory", line)
+
+    def test_a_tree_without_the_library_is_refused(self):
+        path = self._tree("benchmarks/pss_worker.py")
+        line = self._refused(f"--baseline_tree={path}")
+        self.assertIn(f"--baseline_tree={path}: lacks tf2sync/", line)
+
+    def test_a_tree_without_the_worker_is_refused(self):
+        path = self._tree("tf2sync/__init__.py")
+        line = self._refused(f"--baseline_tree={path}")
+        self.assertIn(
+            f"--baseline_tree={path}: lacks benchmarks/pss_worker.py", line
+        )
+
+    def test_it_needs_a_tf2sync_system_of_the_main_scenario(self):
+        path = self._tree("tf2sync/__init__.py", "benchmarks/pss_worker.py")
+        for flags in (
+            ["--systems=local,tf1_sync"],
+            ["--scenarios=straggler"],
+        ):
+            line = self._refused(f"--baseline_tree={path}", *flags)
+            self.assertIn("select --scenarios=main and a tf2sync_*", line)
+
+
 class ReportTest(absltest.TestCase):
     def test_targets_are_ratios_of_medians(self):
         report = _load_report()
@@ -258,6 +381,89 @@ class ReportTest(absltest.TestCase):
         fit = rows["w1 tf2sync_fit / tf1_sync"]
         self.assertEqual((fit["measured"], fit["result"]), ("0.92", "MISS"))
         self.assertStartsWith(rows["w2 tf2sync_loop / local"]["result"], "n/a")
+
+    def test_before_and_after_compares_medians_with_the_baseline(self):
+        report = _load_report()
+
+        def run(system, rate, cpu=10.0):
+            return {
+                "scenario": "main",
+                "workload": "w1",
+                "system": system,
+                "examples_per_sec": rate,
+                "cpu_us_per_example": cpu,
+            }
+
+        records = [
+            {"event": "config", "baseline_tree": "/tmp/base", "repeats": 3},
+            run("local", 200.0),
+            run("tf1_sync", 50.0),
+            # The loop keeps exactly 0.95 x the baseline: PASS.
+            run("tf2sync_loop", 95.0),
+            run("tf2sync_loop", 94.0),
+            run("tf2sync_loop", 500.0),  # an outlier: medians ignore it
+            run("tf2sync_loop@baseline", 100.0),
+            run("tf2sync_loop@baseline", 101.0),
+            run("tf2sync_loop@baseline", 99.0),
+            # fit fell to 0.90 x: MISS.
+            run("tf2sync_fit", 90.0, cpu=12.0),
+            run("tf2sync_fit@baseline", 100.0),
+            {
+                "scenario": "main",
+                "workload": "w1",
+                "system": "tf2sync_loop_while@baseline",
+                "error": "pss_w1_baseline ended",
+            },
+        ]
+        rows = {
+            r["system"]: r for r in report.sections.before_after_rows(records)
+        }
+        self.assertEqual(
+            (rows["tf2sync_loop"]["ratio"], rows["tf2sync_loop"]["result"]),
+            (0.95, "PASS"),
+        )
+        self.assertEqual(rows["tf2sync_fit"]["result"], "MISS")
+        self.assertEqual(
+            rows["tf2sync_loop_while"]["result"], "n/a (not measured)"
+        )
+        markdown = report.render(records, "")
+        self.assertIn("## Before and after", markdown)
+        self.assertIn("the baseline tree `/tmp/base`", markdown)
+        section = markdown.split("## Before and after")[1]
+        # current, baseline, runs, current / baseline, vs local and
+        # vs tf1_sync (current / baseline), CPU us / ex, the result.
+        self.assertIn(
+            "| w1 | `tf2sync_loop` | 95 | 100 | 3 / 3 | 0.950 | 0.47 / 0.50 "
+            "| 1.90 / 2.00 | 10.0 / 10.0 | PASS |",
+            section,
+        )
+        self.assertIn(
+            "| w1 | `tf2sync_fit` | 90 | 100 | 1 / 1 | 0.900 | 0.45 / 0.50 "
+            "| 1.80 / 2.00 | 12.0 / 10.0 | MISS |",
+            section,
+        )
+        self.assertIn("| w1 | `tf2sync_loop_while` | n/a | n/a |", section)
+        self.assertIn(
+            "Not PASS (MISS or not measured): w1 `tf2sync_fit`, w1 "
+            "`tf2sync_loop_while`.",
+            section,
+        )
+        # The targets and the main table ignore the baseline's runs.
+        loop = {t["target"]: t for t in report.targets(records)}[
+            "w1 tf2sync_loop / tf1_sync"
+        ]
+        self.assertEqual(loop["measured"], "1.90")
+
+        # Without a baseline: no such section, the rest unchanged (but
+        # for the main table's row of the baseline's error).
+        plain = [r for r in records if "@" not in r.get("system", "")]
+        self.assertEqual(report.sections.before_after_rows(plain), [])
+        self.assertNotIn("Before and after", report.render(plain, ""))
+        ran = [r for r in records if "error" not in r]
+        self.assertEqual(
+            report.render(ran, "").split("## Before and after")[0],
+            report.render(plain, "").split("## Reproduce")[0],
+        )
 
     def test_memory_targets_compare_growth_per_worker(self):
         report = _load_report()
