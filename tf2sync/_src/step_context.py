@@ -52,20 +52,6 @@ class StepScope:
         _STEP.context = self._previous
 
 
-def is_keras_train_step(fn) -> bool:
-    """True for the `run_step` of tf_keras's `make_train_function`.
-
-    Its `__qualname__` names `make_train_function`, or (tf_keras 2.15, whose
-    `step_function` AutoGraph converts) `tf__step_function.<locals>.run_step`.
-    The test function's step matches the second form too; it pushes
-    nothing, so the counters it would get are never read.
-    """
-    qualname = getattr(fn, "__qualname__", "")
-    return "make_train_function" in qualname or qualname.endswith(
-        "step_function.<locals>.run_step"
-    )
-
-
 def current_worker():
     """The int64 index of the worker running the traced step, or None."""
     return getattr(_STEP, "worker", None)

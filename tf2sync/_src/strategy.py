@@ -275,7 +275,7 @@ class TokenFirstStep:
         step = step_context.StepContext(
             tag,
             step_context.current_worker(),
-            step_context.is_keras_train_step(fn),
+            tf_internals.is_keras_train_step(fn),
             first,
         )
 

@@ -168,9 +168,9 @@ def _unrolled(model, steps):
         run_step = tf.function(
             run_step, jit_compile=True, reduce_retracing=True
         )
-    # Not a tf_keras `run_step` to the strategy (see `_is_keras_train_step`):
-    # the sync counters join the logs when they are fetched
-    # (`_WithSyncTotals`), not from the pushes.
+    # Not a tf_keras `run_step` to the strategy (see
+    # `tf_internals.is_keras_train_step`): the sync counters join the logs
+    # when they are fetched (`_WithSyncTotals`), not from the pushes.
 
     def train_function(iterator):
         def step(_):
