@@ -200,7 +200,6 @@ def _cell_steps(cell, cluster_workers, num_ps, expected_steps, report):
         total_num_replicas=cell["total"],
         token_timeout=TOKEN_TIMEOUT,
     )
-    strategy._tf2sync_worker_ids = True  # as _Harness does
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():  # round robin over the ps, in creation order
         global_step = tf.Variable(
@@ -279,9 +278,11 @@ def _cell_steps(cell, cluster_workers, num_ps, expected_steps, report):
 def _settle(global_step, target):
     """Waits until no round is pending on the shim.
 
-    The chief's round applies asynchronously after a phase's last push:
-    wait (at most SETTLE_TIMEOUT) until the global step reaches TF1's
-    `target`, then until it is unchanged across two reads 0.3 s apart.
+    The round is applied by the push that completes it, so by the time a
+    phase's `join` returns it has been; the wait is a guard that costs
+    nothing when it holds: at most SETTLE_TIMEOUT until the global step
+    reaches TF1's `target`, then until it is unchanged across two reads
+    0.3 s apart.
     """
     deadline = time.time() + SETTLE_TIMEOUT
     while target is not None and int(global_step.numpy()) < target:

@@ -322,6 +322,15 @@ class MultiOptimizerTest(absltest.TestCase):
             h.trace()
 
 
+def _row(value):
+    """The fixture's sparse gradient: `value` for row 1 of v_sparse."""
+    return tf.IndexedSlices(
+        tf.constant([[value]]),
+        tf.constant([1], tf.int64),
+        tf.constant([2, 1], tf.int64),
+    )
+
+
 def _flat(values):
     return [values[0], values[1]] + list(values[2])
 
@@ -593,6 +602,90 @@ class SyncReplicasTest(absltest.TestCase):
         self.assertEqual(
             [int(a.num_accumulated()) for a in accumulators], [0] * 3
         )
+
+    def test_eager_apply_gradients_before_anything_started_the_chief(self):
+        h = self.harness = _Harness(rta=2, total=2)
+        with h.strategy.scope():
+            # No hook, no dispatch: the eager step starts the chief's side
+            # itself (TF1's default tokens), or it would wait forever.
+            token = h.opt.apply_gradients(
+                zip(
+                    [tf.constant(0.1), tf.constant(0.9), _row(0.1)], h.variables
+                ),
+                h.global_step,
+            )
+        self.assertEqual(int(token), 0)
+        self.assertEqual(int(h.opt._sync_token_queue.size()), 1)
+
+    def test_tf1_init_tokens_then_chief_queue_runner_seed_once(self):
+        h = self.harness = _Harness(rta=2, total=2)
+        h.trace()
+        h.opt.get_init_tokens_op(2)()  # TF1: sess.run(init_tokens_op)
+        runner = h.opt.get_chief_queue_runner()
+        runner.start()  # TF1: sv.start_queue_runners(sess, [runner])
+        self.assertTrue(runner.running)
+        self.assertEqual(int(h.opt._sync_token_queue.size()), 2)
+        h.schedule(0)  # the dispatch seeds nothing more
+        h.coordinator.join()
+        self.assertEqual(int(h.opt._sync_token_queue.size()), 1)
+        h.run(1)
+        h.wait_global_step(1)
+        self.assertAlmostEqual(float(h.v0.numpy()), -0.4, places=5)
+
+    def _replica_step(self, h, replica):
+        @tf.function
+        def step(w):
+            with strategy_lib._WorkerScope(w):
+                return h.strategy.run(replica, args=(w,))
+
+        return step.get_concrete_function(tf.TensorSpec([], tf.int64))
+
+    def test_apply_gradients_in_a_cond_is_refused_by_name(self):
+        h = self.harness = _Harness(rta=2, total=2)
+
+        def replica(w):
+            grads = [tf.constant(0.1), tf.constant(0.9), _row(0.1)]
+            return tf.cond(
+                w > 0,
+                lambda: h.opt.apply_gradients(
+                    zip(grads, h.variables), h.global_step
+                ),
+                lambda: tf.constant(-1, tf.int64),
+            )
+
+        with self.assertRaisesRegex(ValueError, "inside a tf.cond, loop"):
+            self._replica_step(h, replica)
+
+    def test_an_op_of_the_step_waiting_on_the_result_is_refused(self):
+        h = self.harness = _Harness(rta=2, total=2)
+
+        def replica(w):
+            grads = [tf.constant(0.1), tf.constant(0.9), _row(0.1)]
+            token = h.opt.apply_gradients(
+                zip(grads, h.variables), h.global_step
+            )
+            with tf.control_dependencies([token]):
+                return h.global_step.read_value()  # would wait on the push
+
+        with self.assertRaisesRegex(ValueError, "waits on the result"):
+            self._replica_step(h, replica)
+
+    def test_a_step_over_other_variables_is_refused_by_name(self):
+        h = self.harness = _Harness(rta=2, total=2)
+        h.trace()
+
+        def replica(w):
+            return h.opt.apply_gradients(
+                [(tf.constant(1.0), h.v0)], h.global_step
+            )
+
+        with self.assertRaisesRegex(ValueError, "this step applies others"):
+            self._replica_step(h, replica)
+        h.start()  # the refused trace changed nothing: training still works
+        h.run(0)
+        h.run(1)
+        h.wait_global_step(1)
+        self.assertAlmostEqual(float(h.v0.numpy()), -0.4, places=5)
 
     def test_errors(self):
         opt = compat_v1.SyncReplicasOptimizer(

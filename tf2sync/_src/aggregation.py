@@ -11,7 +11,7 @@ The protocol, for one synchronous optimizer with global step `g` (its
 3. The replica packs its dense gradients into one tensor per (ps, dtype) and
    its sparse gradients into `(indices, values)` pairs as computed
    (duplicate rows are summed once, at the apply; all float32 ones bound
-   for `g`'s ps travel as one tensor, see `_Wire`), and
+   for `g`'s ps travel as one tensor, see `wire.Wire`), and
    pushes them inside a `tf.CriticalSection` whose body runs on `g`'s ps:
    * `tag < g`: the gradient is stale (its weights are older than the
      current step). It is dropped and counted, never applied.
@@ -41,7 +41,6 @@ step `g`.
 
 from __future__ import annotations
 
-import threading
 import weakref
 
 import tensorflow as tf
@@ -49,29 +48,10 @@ import tensorflow as tf
 from tf2sync._src import barrier as barrier_lib
 from tf2sync._src import graph_rewrites
 from tf2sync._src import loops
+from tf2sync._src import step_context
 from tf2sync._src import tf_internals
 from tf2sync._src import watchdog
 from tf2sync._src import wire as wire_lib
-
-_STATE = threading.local()
-
-
-def in_sync_apply() -> bool:
-    """True while tf2sync traces its own update of the model variables."""
-    return getattr(_STATE, "apply_depth", 0) > 0
-
-
-class _SyncApplyScope:
-    def __enter__(self):
-        _STATE.apply_depth = getattr(_STATE, "apply_depth", 0) + 1
-
-    def __exit__(self, *exc):
-        _STATE.apply_depth -= 1
-
-
-def sync_apply_scope():
-    """Marks traced variable updates as synchronous applies (see strategy)."""
-    return _SyncApplyScope()
 
 
 class Aggregator:
@@ -95,7 +75,8 @@ class Aggregator:
 
         Args:
           config: A `SyncConfig`.
-          global_step: The int64 step variable (the inner `iterations`).
+          global_step: The step variable (the inner `iterations`, or a TF1
+            global step of any integer dtype).
           apply_fn: `apply_fn(grads_and_vars) -> op`: applies aggregated
             gradients once and increments `global_step` by 1.
           name: Prefix of the variables and queues created.
@@ -248,7 +229,8 @@ class Aggregator:
             graph. The step's writes of float32 values computed on the worker
             to variables on this ps (a compiled metric's total and count)
             then take their values from the push's tensor on the ps instead
-            of crossing as transfers of their own (see `_riders`).
+            of crossing as transfers of their own (see
+            `graph_rewrites.riders`).
         """
         riders = []
         if riders_from is not None:  # before the push adds ops of its own
@@ -256,30 +238,7 @@ class Aggregator:
             riders = graph_rewrites.riders(graph, riders_from, self.device)
         self.build(grads_and_vars)
         layout = self._layout
-        by_key = {wire_lib.variable_key(v): g for g, v in grads_and_vars}
-        packed = [
-            tf.concat(
-                [
-                    tf.reshape(
-                        tf.convert_to_tensor(by_key[wire_lib.variable_key(v)]),
-                        [-1],
-                    )
-                    for v in group.variables
-                ],
-                axis=0,
-            )
-            for group in layout.dense
-        ]
-        # Rows go as computed, duplicates included (as stock PSS takes
-        # them): the apply sums duplicates once over all the pushes, and a
-        # second sum on the worker costs more CPU than the rows it saves
-        # (docs/performance.md, "Measurements behind the code").
-        sparse = [
-            (tf.cast(g.indices, tf.int64), g.values)
-            for g in (
-                by_key[wire_lib.variable_key(s.variable)] for s in layout.sparse
-            )
-        ]
+        packed, sparse = self._pack(grads_and_vars)
         if riders:  # a write the gradients wait for cannot wait for them
             ahead = graph_rewrites.among_ancestors(
                 riders, packed + [t for pair in sparse for t in pair]
@@ -307,6 +266,36 @@ class Aggregator:
             return self._cs.execute(
                 lambda: self._push_body(wire, inputs, check_finite, stats)
             )
+
+    def _pack(self, grads_and_vars):
+        """`(packed, sparse)`: one flat tensor per dense group, and the
+        `(int64 ids, rows)` of each sparse gradient, in layout order."""
+        by_key = {wire_lib.variable_key(v): g for g, v in grads_and_vars}
+        packed = [
+            tf.concat(
+                [
+                    tf.reshape(
+                        tf.convert_to_tensor(by_key[wire_lib.variable_key(v)]),
+                        [-1],
+                    )
+                    for v in group.variables
+                ],
+                axis=0,
+            )
+            for group in self._layout.dense
+        ]
+        # Rows go as computed, duplicates included (as stock PSS takes
+        # them): the apply sums duplicates once over all the pushes, and a
+        # second sum on the worker costs more CPU than the rows it saves
+        # (docs/performance.md, "Measurements behind the code").
+        sparse = [
+            (tf.cast(g.indices, tf.int64), g.values)
+            for g in (
+                by_key[wire_lib.variable_key(s.variable)]
+                for s in self._layout.sparse
+            )
+        ]
+        return packed, sparse
 
     def _repeated_push_function(self, wire, inputs, check_finite, stats):
         """The push as one function of the ps, where the step repeats.
@@ -353,122 +342,129 @@ class Aggregator:
         return self._push_functions[key]
 
     def _push_body(self, wire, inputs, check_finite, stats):
-        """The push on the ps, inside the critical section (see `push`)."""
-        layout = self._layout
-        tag = inputs["tag"]
+        """The push on the ps, inside the critical section (see `push`).
+
+        One switch picks what the push does (it returns the pending count,
+        -1 for a dropped push), then one cond applies: no nested conds
+        (each level costs a measurable share of a small model's step), and
+        the apply appears once in the graph (the ps instantiates each
+        inlined copy for every worker).
+        """
         arrived = wire.unpack(
             inputs["tensor"],
             inputs["packed"],
             inputs["sparse"],
             inputs["worker"],
         )
+        step = self._step()
+        fresh = inputs["tag"] >= step
+        same_step = tf.equal(self.acc_step.read_value(), step)
+        ok = self._all_finite(arrived) if check_finite else tf.constant(True)
+        branch = tf.where(
+            fresh,
+            tf.where(ok, tf.where(same_step, 1, 3), 2),
+            0,
+        )
+        count = tf.switch_case(
+            branch,
+            [
+                lambda: self._reject(arrived),
+                lambda: self._accumulate(arrived),
+                self._drop_nonfinite,
+                lambda: self._discard_then_accumulate(arrived),
+            ],
+        )
+        applied = tf.cond(
+            count >= self.config.replicas_to_aggregate,
+            lambda: self._apply(count),
+            lambda: tf.constant(False),
+        )
+        if not stats:  # nobody reads them: no ps work per push
+            return applied, tf.zeros([0], tf.float64)
+        return applied, self._stats_after(applied)
 
-        def accumulate():
-            adds = [
-                g.buffer.assign_add(p, read_value=False)
-                for g, p in zip(layout.dense, arrived["packed"])
+    @staticmethod
+    def _all_finite(arrived):
+        """Whether every value that arrived is finite.
+
+        A sum is non-finite iff a term is (or it overflows, which is worth
+        dropping too); ids never enter it.
+        """
+        sums = [
+            tf.reduce_sum(tf.cast(p, tf.float32)) for p in arrived["packed"]
+        ]
+        sums += [
+            tf.reduce_sum(tf.cast(v, tf.float32)) for _, v in arrived["sparse"]
+        ]
+        return tf.math.is_finite(tf.add_n(sums))
+
+    def _accumulate(self, arrived):
+        """Adds a fresh push to the accumulators; returns the new count."""
+        layout = self._layout
+        adds = [
+            g.buffer.assign_add(p, read_value=False)
+            for g, p in zip(layout.dense, arrived["packed"])
+        ]
+        adds += [
+            s.queue.enqueue([idx, val])
+            for s, (idx, val) in zip(layout.sparse, arrived["sparse"])
+        ]
+        with tf.control_dependencies(adds):
+            self.accepted.assign_add(1, read_value=False)
+            _count_worker(self.accepted_per_worker, arrived["worker"])
+            return self.count.assign_add(1)
+
+    def _discard_then_accumulate(self, arrived):
+        # The accumulators hold pushes of another step (a checkpoint was
+        # restored): drop them first. Rare.
+        with tf.control_dependencies([self._discard(self._step())]):
+            return self._accumulate(arrived)
+
+    def _reject(self, arrived):
+        """Drops and counts a stale push; returns -1."""
+        with tf.control_dependencies(
+            [
+                self.stale_dropped.assign_add(1, read_value=False),
+                _count_worker(self.stale_per_worker, arrived["worker"]),
             ]
-            adds += [
-                s.queue.enqueue([idx, val])
-                for s, (idx, val) in zip(layout.sparse, arrived["sparse"])
-            ]
-            with tf.control_dependencies(adds):
-                self.accepted.assign_add(1, read_value=False)
-                _count_worker(self.accepted_per_worker, arrived["worker"])
-                return self.count.assign_add(1)
+        ):
+            return tf.constant(-1, tf.int64)
 
-        def discard_then_accumulate():
-            # The accumulators hold pushes of another step (a checkpoint
-            # was restored): drop them first. Rare.
-            with tf.control_dependencies([self._discard(self._step())]):
-                return accumulate()
+    def _drop_nonfinite(self):
+        """Drops and counts a non-finite push, gives its token back: -1."""
+        with step_context.sync_apply_scope():
+            ops = [
+                self.nonfinite_dropped.assign_add(1, read_value=False),
+                self.barrier.release(1),
+            ] + [op for hook in self.on_nonfinite for op in hook()]
+        with tf.control_dependencies(ops):
+            return tf.constant(-1, tf.int64)
 
-        def reject():
-            with tf.control_dependencies(
+    def _stats_after(self, applied):
+        """The counters, read on the ps once `applied` ran (see `push`).
+
+        One float64 tensor (counts exact below 2**53): one transfer back to
+        the worker when the logs use them.
+        """
+        with tf.control_dependencies([applied]):
+            counts = tf.concat(
                 [
-                    self.stale_dropped.assign_add(1, read_value=False),
-                    _count_worker(self.stale_per_worker, arrived["worker"]),
-                ]
-            ):
-                return tf.constant(-1, tf.int64)
-
-        def nonfinite():
-            with _SyncApplyScope():
-                ops = [
-                    self.nonfinite_dropped.assign_add(1, read_value=False),
-                    self.barrier.release(1),
-                ] + [op for hook in self.on_nonfinite for op in hook()]
-            with tf.control_dependencies(ops):
-                return tf.constant(-1, tf.int64)
-
-        def body():
-            # One switch picks what the push does (it returns the pending
-            # count, -1 for a dropped push), then one cond applies: no
-            # nested conds (each level costs a measurable share of a small
-            # model's step), and the apply appears once in the graph (the
-            # ps instantiates each inlined copy for every worker).
-            step = self._step()
-            fresh = tag >= step
-            same_step = tf.equal(self.acc_step.read_value(), step)
-            ok = tf.constant(True)
-            if check_finite:
-                # A sum is non-finite iff a term is (or it overflows,
-                # which is worth dropping too).
-                sums = [
-                    tf.reduce_sum(tf.cast(p, tf.float32))
-                    for p in arrived["packed"]
-                ]
-                sums += [
-                    tf.reduce_sum(tf.cast(v, tf.float32))
-                    for _, v in arrived["sparse"]
-                ]
-                ok = tf.math.is_finite(tf.add_n(sums))
-            branch = tf.where(
-                fresh,
-                tf.where(ok, tf.where(same_step, 1, 3), 2),
-                0,
+                    tf.stack(
+                        [
+                            self._step(),
+                            self.stale_dropped.read_value(),
+                            self.nonfinite_dropped.read_value(),
+                        ]
+                    ),
+                    self.accepted_per_worker.read_value(),
+                    self.stale_per_worker.read_value(),
+                ],
+                axis=0,
             )
-            count = tf.switch_case(
-                branch,
-                [reject, accumulate, nonfinite, discard_then_accumulate],
+            wait = tf.cast(self.wait_seconds.read_value(), tf.float64)
+            return tf.concat(
+                [tf.cast(counts, tf.float64), tf.reshape(wait, [1])], axis=0
             )
-            applied = tf.cond(
-                count >= self.config.replicas_to_aggregate,
-                lambda: self._apply(count),
-                lambda: tf.constant(False),
-            )
-            if not stats:  # nobody reads them: no ps work per push
-                return applied, tf.zeros([0], tf.float64)
-            with tf.control_dependencies([applied]):
-                counts = tf.concat(
-                    [
-                        tf.stack(
-                            [
-                                self._step(),
-                                self.stale_dropped.read_value(),
-                                self.nonfinite_dropped.read_value(),
-                            ]
-                        ),
-                        self.accepted_per_worker.read_value(),
-                        self.stale_per_worker.read_value(),
-                    ],
-                    axis=0,
-                )
-                # One float64 tensor (counts exact below 2**53): one
-                # transfer back to the worker when the logs use them.
-                packed_stats = tf.concat(
-                    [
-                        tf.cast(counts, tf.float64),
-                        tf.reshape(
-                            tf.cast(self.wait_seconds.read_value(), tf.float64),
-                            [1],
-                        ),
-                    ],
-                    axis=0,
-                )
-                return applied, packed_stats
-
-        return body()
 
     def _drain_sparse(self, count):
         """Dequeues the step's pushes of each sparse variable: their mean.
@@ -520,7 +516,7 @@ class Aggregator:
             ops.append(self.stale_dropped.assign_add(count, read_value=False))
             # Each dropped push took a token its step will not get back
             # from an update: return them, or the barrier runs short.
-            ops.append(self.barrier.release(count))
+            ops.append(self.barrier.release(count, step))
             ops.append(self.count.assign(0, read_value=False))
             ops.append(self.acc_step.assign(step, read_value=False))
         return tf.group(ops)
@@ -547,7 +543,7 @@ class Aggregator:
                     slot.variable,
                 )
             )
-        with _SyncApplyScope():
+        with step_context.sync_apply_scope():
             applied = self._apply_fn(grads_and_vars)
             with tf.control_dependencies([applied]):
                 hooks = [op for hook in self.after_apply for op in hook()]

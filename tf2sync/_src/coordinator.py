@@ -21,7 +21,8 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
     """Passes each scheduled function the index of the worker running it.
 
     A scheduled function cannot tell which worker runs it; the coordinator
-    can. Every `tf.function` scheduled while a SyncOptimizer is attached is
+    can. Every `tf.function` scheduled while a synchronous optimizer (a
+    SyncOptimizer or the TF1 shim) is attached is
     wrapped to take a per-worker value (each worker's own index, built as a
     per-worker resource, rebuilt when a worker restarts) and traced under it,
     so that pushes are counted per worker. `ClusterCoordinator(strategy)`

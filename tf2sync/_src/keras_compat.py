@@ -31,6 +31,8 @@ from tf2sync._src import tf_internals
 
 _NEW = tf_keras.optimizers.Optimizer
 _LEGACY = tf_keras.optimizers.legacy.Optimizer
+# Both tf_keras optimizer families (what `check_optimizer` accepts).
+KERAS_OPTIMIZERS = (_NEW, _LEGACY)
 
 
 is_tfa_multi = tf_internals.is_tfa_multi_optimizer

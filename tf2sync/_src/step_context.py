@@ -1,4 +1,4 @@
-"""What the replica step being traced knows: its tag, worker and push.
+"""What the replica step being traced knows: its tag, worker, push, apply.
 
 `StepContext` is set while `SyncParameterServerStrategy.run` traces a step
 of the core protocol (`current_step`); the worker index is set while the
@@ -67,3 +67,26 @@ class WorkerScope:
 
     def __exit__(self, *exc):
         _STEP.worker = self._previous
+
+
+def in_sync_apply() -> bool:
+    """True while tf2sync traces its own update of the model variables."""
+    return getattr(_STEP, "apply_depth", 0) > 0
+
+
+class _SyncApplyScope:
+    def __enter__(self):
+        _STEP.apply_depth = getattr(_STEP, "apply_depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _STEP.apply_depth -= 1
+
+
+def sync_apply_scope():
+    """Marks traced variable updates as synchronous applies.
+
+    The strategy refuses any other variable update traced in a step (it
+    would be an asynchronous apply); the aggregator's apply, its hooks and
+    the shim's inner optimizers run inside this scope.
+    """
+    return _SyncApplyScope()

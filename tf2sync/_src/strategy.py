@@ -7,7 +7,6 @@ import weakref
 import tensorflow as tf
 from absl import logging
 
-from tf2sync._src import aggregation
 from tf2sync._src import config as config_lib
 from tf2sync._src import coordinator as coordinator_lib
 from tf2sync._src import graph_rewrites
@@ -66,7 +65,7 @@ class _SyncExtended(tf_internals.ParameterServerExtended):
         return var
 
     def _update(self, var, fn, args, kwargs, group):
-        if tf.inside_function() and not aggregation.in_sync_apply():
+        if tf.inside_function() and not step_context.in_sync_apply():
             raise TypeError(_UNWRAPPED_MESSAGE)
         return super()._update(var, fn, args, kwargs, group)
 
@@ -250,6 +249,11 @@ class TokenFirstStep:
     the step's reads after it, packs its reads, and gives the token back if
     the step pushed nothing. The TF1 shim has its own protocol with the
     same two methods (`compat_v1.engine.PushFirstStep`).
+
+    Guarantees, per traced step: one token taken, one tag read after it,
+    every read and stateful op of the step after the tag; the token comes
+    back with the update the step's push completes, or at once (after the
+    step's outputs) when the step pushed nothing.
     """
 
     # Whether the coordinator must trace a function before dispatching it

@@ -339,6 +339,12 @@ def restore_epoch_logs_validator(model) -> None:
 # `iterations` + 1 per caller) cannot run.
 
 
+def is_trackable(obj) -> bool:
+    """Whether `obj` can be saved in a TF2 checkpoint as a child
+    (`tf.__internal__.tracking.Trackable`: public only under `__internal__`)."""
+    return isinstance(obj, tf.__internal__.tracking.Trackable)
+
+
 def track_child(parent, child, name: str) -> None:
     """Saves `child` in `parent`'s checkpoints as `name` (`_track_trackable`;
     optimizers do not track their attributes)."""
@@ -488,11 +494,6 @@ def tf1_optimizer_apply(optimizer, strategy, grads_and_vars, global_step):
 def tf1_optimizer_create_slots(optimizer, var_list) -> None:
     """A TF1 optimizer's slots for `var_list` (`_create_slots`)."""
     optimizer._create_slots(var_list)
-
-
-def tf1_optimizer_prepare(optimizer) -> None:
-    """A TF1 optimizer's per-step tensors (`_prepare`)."""
-    optimizer._prepare()
 
 
 def tf1_optimizer_variables(optimizer) -> list:

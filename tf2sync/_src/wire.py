@@ -108,8 +108,9 @@ class Wire:
     exact (they never enter arithmetic: the finiteness check sums the
     unpacked values only). Gradients of other dtypes, or for variables on
     other ps tasks, travel as before. Riders are other float32 values of the
-    step bound for this ps (see `_riders`): last, at static offsets from
-    the end, so `unpack` ignores them. They travel only when the wire does.
+    step bound for this ps (see `graph_rewrites.riders`): last, at static
+    offsets from the end, so `unpack` ignores them. They travel only when
+    the wire does.
     """
 
     DTYPE = tf.float32

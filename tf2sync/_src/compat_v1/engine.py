@@ -34,6 +34,7 @@ from tf2sync._src.compat_v1 import inner
 
 GLOBAL_STEP_REQUIRED = "Global step is required to check staleness"
 _AUTO = "started by the coordinator"
+_MANUAL = "started by TF1's init-tokens op"
 # TF1's order (push, then token) can leave a finite run's last steps
 # waiting for a round that needs more pushes than will come (each stale
 # push costs the barrier a token for good). Once every scheduled step was
@@ -60,6 +61,15 @@ class PushFirstStep:
     `aggregation.Aggregator` (token queue beside the round's global step),
     one local step per worker, one round per synchronous step whatever the
     number of shim optimizers applied in it.
+
+    Guarantees, per traced `strategy.run` that applies gradients: exactly
+    one push (every variable of the step, the replicas of a multi-GPU
+    worker summed), tagged with the worker's local step, then exactly one
+    token, which becomes that local step; the step's ops follow the token
+    of the step traced before it in the same graph. What `apply_gradients`
+    returned inside the step is that token (rewired once the push exists),
+    so nothing in the step may wait on it (refused at trace time). Every
+    step of the strategy pushes the same variables (refused otherwise).
     """
 
     traces_before_dispatch = True
@@ -113,6 +123,7 @@ class PushFirstStep:
             ):
                 return fn(*a, **k)
 
+        first = len(graph.get_operations())
         try:
             result = run(step_fn)
         finally:
@@ -121,17 +132,32 @@ class PushFirstStep:
             else:
                 self._open[graph] = outer
         if step.entries:
-            self._finish(step, graph)
+            self._finish(step, graph, first)
         return result
 
     def open_step(self):
-        """The `_Step` being traced in the current graph, or None."""
+        """The `_Step` being traced in the current graph, or None.
+
+        Raises:
+          ValueError: In a graph nested in a step's (a `tf.cond` branch, a
+            loop body, a function called by the step): the step's one push
+            is made in the step's own graph, which cannot use tensors of
+            the nested one.
+        """
         graph = tf.compat.v1.get_default_graph()
-        while graph is not None:
-            step = self._open.get(graph)
-            if step is not None:
-                return step
-            graph = getattr(graph, "outer_graph", None)
+        step = self._open.get(graph)
+        if step is not None:
+            return step
+        outer = getattr(graph, "outer_graph", None)
+        while outer is not None:
+            if outer in self._open:
+                raise ValueError(
+                    "SyncReplicasOptimizer.apply_gradients was called inside "
+                    "a tf.cond, loop or nested tf.function of a replica "
+                    "step: call it in the body of the function passed to "
+                    "strategy.run (the step pushes once, after it)."
+                )
+            outer = getattr(outer, "outer_graph", None)
         return None
 
     def record(self, opt, grads_and_vars, global_step):
@@ -145,20 +171,25 @@ class PushFirstStep:
         if step is None:
             step = _Step(_worker_or_zero(), [])
             step.entries.append((opt, grads_and_vars, global_step))
-            return self._push(step)
+            return self._push(step, start=tf.executing_eagerly())
         step.entries.append((opt, grads_and_vars, global_step))
         placeholder = tf.identity(tf.zeros([], tf.int64))
         step.results.append(placeholder)
         return placeholder
 
-    def _finish(self, step, graph):
+    def _finish(self, step, graph, first):
+        _check_results_unused(step.results, graph.get_operations()[first:])
         token = self._push(step)
         for placeholder in step.results:
             tf_internals.update_op_input(placeholder.op, 0, token)
         self._last_token[graph] = token
 
-    def _push(self, step):
-        """The step's one push, then its token; returns the token."""
+    def _push(self, step, start=False):
+        """The step's one push, then its token; returns the token.
+
+        With `start`, the chief's side starts first if nothing started it
+        (an eager call: no coordinator dispatch will).
+        """
         self._join(step.entries)
         grads_and_vars = []
         for grad, var in _one_per_variable(step.entries):
@@ -168,6 +199,8 @@ class PushFirstStep:
                 grad = tf.IndexedSlices(rows, ids, grad.dense_shape)
             grads_and_vars.append((grad, var))
         aggregator = self._aggregator_for(grads_and_vars)
+        if start:
+            self.before_dispatch()
         with tf.control_dependencies(step.after):
             tag = tf.gather(self.local_steps, step.worker)
         applied, _ = aggregator.push(
@@ -183,23 +216,40 @@ class PushFirstStep:
             return tf.identity(token)
 
     def _join(self, entries):
-        for opt, gvs, global_step in entries:
+        """Registers the step's optimizers and variables (checked first)."""
+        owners = dict(self._owner)
+        for opt, gvs, _ in entries:
             for _, var in gvs:
-                if id(var) not in self._owner:
-                    self._variables.append(var)
-                owner = self._owner.setdefault(id(var), opt)
-                if owner is not opt:
+                if owners.setdefault(id(var), opt) is not opt:
                     raise ValueError(
                         f"Variable {var.name} is applied by two "
                         "SyncReplicasOptimizers in one step: each variable "
                         "belongs to one."
                     )
-            if global_step is not None and self.global_step is None:
-                self.global_step = global_step
+        applied = {id(v) for _, gvs, _ in entries for g, v in gvs}
+        if self.aggregator is not None and applied != set(self._owner):
+            new = [v.name for _, gvs, _ in entries for _, v in gvs]
+            raise ValueError(
+                "Every step under one SyncParameterServerStrategy is one "
+                "round of the same SyncReplicasOptimizers over the same "
+                "variables, and this step applies others: "
+                f"{sorted(set(new))}, where the round was built for "
+                f"{[v.name for v in self._variables]}. Apply all of them in "
+                "one step, or use one strategy per round."
+            )
+        step = self.global_step
+        if step is None:
+            step = next((g for _, _, g in entries if g is not None), None)
+        if step is None:
+            raise ValueError(GLOBAL_STEP_REQUIRED)
+        self.global_step = step
+        for opt, gvs, global_step in entries:
+            for _, var in gvs:
+                if id(var) not in self._owner:
+                    self._variables.append(var)
+                    self._owner[id(var)] = opt
             if all(opt is not m for m, _ in self.members):
                 self.members.append((opt, global_step))
-        if self.global_step is None:
-            raise ValueError(GLOBAL_STEP_REQUIRED)
 
     def variables_of(self, opt):
         """The variables `opt` pushes, in order."""
@@ -270,12 +320,24 @@ class PushFirstStep:
 
     def _apply(self, grads_and_vars):
         """The round's apply (inside the core's critical section)."""
-        updates, incremented = [], set()
-        for opt, gvs, global_step in self._by_member(grads_and_vars):
-            if global_step is not None and id(global_step) in incremented:
-                global_step = None
-            if global_step is not None:
-                incremented.add(id(global_step))
+        members = [m for m in self._by_member(grads_and_vars) if m[1]]
+        # A tf_keras optimizer's apply increments its own `iterations`
+        # whatever it is given: no other member increments that one again.
+        incremented = {
+            id(opt._opt.iterations)
+            for opt, _, _ in members
+            if not inner.is_tf1(opt._opt)
+        }
+        updates = []
+        for opt, gvs, global_step in members:
+            own = not inner.is_tf1(opt._opt) and (
+                global_step is opt._opt.iterations
+            )
+            if global_step is not None and not own:
+                if id(global_step) in incremented:
+                    global_step = None
+                else:
+                    incremented.add(id(global_step))
             if gvs:
                 update = inner.apply(
                     opt._opt, self.strategy, gvs, global_step, opt._name
@@ -329,11 +391,7 @@ class PushFirstStep:
         self.local_step_init()
         self.aggregator.seed_tokens(num_tokens)
         self.started = True
-        timeout = self.strategy._token_timeout
-        if timeout is not None:
-            self.watchdog = watchdog.TokenWatchdog(
-                self, timeout, drain_timeout=DRAIN_TIMEOUT
-            )
+        self.start_watchdog()
 
     def stop(self):
         """Stops the watchdog; the next dispatch starts the chief again."""
@@ -368,6 +426,27 @@ class PushFirstStep:
     def seed_tokens(self, num):
         """Releases `num` tokens of the current global step (watchdog)."""
         self.aggregator.seed_tokens(num)
+
+    def init_tokens(self, num):
+        """TF1's init-tokens op run by hand: the chief's start, no watchdog.
+
+        `ChiefRunner.start()` (TF1's queue runner, started next) then adds
+        the watchdog; no dispatch seeds tokens again.
+        """
+        if num > 0:
+            self.aggregator.seed_tokens(num)
+        self.started = True
+        self._claimed_by = {_MANUAL}
+
+    def start_watchdog(self):
+        """Starts the token watchdog if the chief's side has none yet."""
+        timeout = self.strategy._token_timeout
+        if self.aggregator is None:
+            return  # nothing traced yet: nothing to watch
+        if timeout is not None and self.watchdog is None:
+            self.watchdog = watchdog.TokenWatchdog(
+                self, timeout, drain_timeout=DRAIN_TIMEOUT
+            )
 
 
 def _worker_or_zero():
@@ -406,3 +485,34 @@ def _one_per_variable(entries):
             grad = tf.add_n(parts)
         pairs.append((grad, var))
     return pairs
+
+
+def _check_results_unused(results, operations):
+    """Refuses ops of the step that wait on `apply_gradients`'s result.
+
+    The result is the step's token, which exists only once the step's one
+    push is made, after the replica function returned. An op of the step
+    that uses it (`tf.control_dependencies([train_op])` around a read of
+    the global step or the weights, say) and touches a resource would be
+    ordered before the push by automatic control dependencies: a cycle.
+    Pure ops (an identity, a cast) are fine.
+    """
+    waiting = {r.op for r in results}
+    for op in operations:
+        if op in waiting:
+            continue
+        if any(t.op in waiting for t in op.inputs) or any(
+            c in waiting for c in op.control_inputs
+        ):
+            if tf_internals.op_is_stateful(op) or any(
+                t.dtype == tf.resource for t in op.inputs
+            ):
+                raise ValueError(
+                    "An op of the replica step waits on the result of "
+                    "SyncReplicasOptimizer.apply_gradients and touches a "
+                    f"variable or queue ({op.type} {op.name!r}). The result "
+                    "exists once the step has pushed, after the function "
+                    "given to strategy.run returns: use it there (return it "
+                    "from the replica function), not inside."
+                )
+            waiting.add(op)

@@ -30,8 +30,13 @@ class ChiefRunner:
         return self._protocol.started
 
     def start(self):
-        """Starts the chief's side with TF1's default tokens, if not yet."""
+        """Starts the watchdog; first the chief's side, if nothing did.
+
+        After TF1's `get_init_tokens_op()()` (the chief's tokens), only the
+        watchdog starts; otherwise TF1's default tokens are enqueued first.
+        """
         self._protocol.before_dispatch()
+        self._protocol.start_watchdog()
         return self
 
     def stop(self, timeout: float = 30.0):
@@ -99,5 +104,5 @@ class InitTokens:
         self.num_tokens = num_tokens
 
     def __call__(self):
-        if self.num_tokens > 0:
-            self._protocol.seed_tokens(self.num_tokens)
+        """Enqueues the tokens: the chief's start, as TF1's op was."""
+        self._protocol.init_tokens(self.num_tokens)

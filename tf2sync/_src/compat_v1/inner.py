@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf2sync._src import aggregation
+from tf2sync._src import step_context
 from tf2sync._src import tf_internals
 
 
@@ -43,7 +43,7 @@ def build_averages(averages, var_list):
     anything (as TF1's graph construction did). Its update goes through
     the strategy's `update` like an apply's, hence the apply scope.
     """
-    with aggregation.sync_apply_scope():
+    with step_context.sync_apply_scope():
         averages.apply(var_list)
 
 
@@ -63,7 +63,7 @@ def apply(opt, strategy, grads_and_vars, global_step, name):
     the strategy lets variable updates through).
     """
     grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
-    with strategy.scope(), aggregation.sync_apply_scope():
+    with strategy.scope(), step_context.sync_apply_scope():
         if is_tf1(opt):
             # Each apply appends to this graph's TRAIN_OP collection and
             # compares with `==`, which fails on a previous member's

@@ -23,7 +23,7 @@ from tf2sync._src.compat_v1 import engine
 from tf2sync._src.compat_v1 import hooks
 from tf2sync._src.compat_v1 import inner
 
-_KERAS = (keras_compat._NEW, keras_compat._LEGACY)
+_KERAS = keras_compat.KERAS_OPTIMIZERS
 
 
 class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
@@ -32,12 +32,12 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
     Protocol (TF1's, per `tf.compat.v1.train.SyncReplicasOptimizer`):
 
     * Worker step (`apply_gradients`, called inside `strategy.run` of a
-      function scheduled on a `ClusterCoordinator`): push every gradient to
-      its variable's accumulator on the variable's ps, tagged with this
-      worker's local step; then block for one token from the token queue
-      (beside `global_step`) and store it as the new local step. A gradient
-      is accepted iff its tag is at least the accumulator's step, otherwise
-      it is silently dropped (stale).
+      function scheduled on a `ClusterCoordinator`): push the step's
+      gradients once (every shim optimizer's of the step), tagged with
+      this worker's local step; then block for one token from the token
+      queue (beside `global_step`) and store it as the new local step. A
+      push is accepted iff its tag is at least the global step, otherwise
+      it is dropped (stale).
     * Round (on the ps, in the core's critical section, by the push that
       completes it: see `aggregation`): the `replicas_to_aggregate`-th
       accepted push applies the mean of the accepted gradients (per row
@@ -151,7 +151,7 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
         self._variable_averages = variable_averages
         self._variables_to_average = variables_to_average
         super().__init__(use_locking, name)
-        if isinstance(opt, tf.__internal__.tracking.Trackable):
+        if tf_internals.is_trackable(opt):
             tf_internals.track_child(self, opt, "opt")  # slots in checkpoints
         self._gradients_applied = False
         self._given_step = None
@@ -249,7 +249,8 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
           The new local step of this worker (the token's value).
 
         Raises:
-          ValueError: As TF1 (see the messages in the spec).
+          ValueError: With TF1's messages (listed in docs/migrating.md), or
+            where a step cannot be one push (see the messages).
         """
         del name
         if not grads_and_vars:
