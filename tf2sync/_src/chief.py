@@ -135,20 +135,53 @@ def train(resolver, job, config: ChiefConfig):
 
 
 def _train_once(resolver, job, config: ChiefConfig):
-    import tf2sync
+    """Builds on the cluster, fits, evaluates and prints the totals.
 
+    Returns:
+      The dict `train` returns.
+    """
     tf.config.set_visible_devices([], "GPU")  # the chief only coordinates
     tf.keras.mixed_precision.set_global_policy(config.mixed_precision)
     spec = resolver.cluster_spec().as_dict()
     num_workers = len(spec["worker"])
     rta = config.replicas_to_aggregate or num_workers
     total = config.total_num_replicas or max(num_workers, rta)
-    strategy = tf2sync.SyncParameterServerStrategy(
+    strategy = _strategy(resolver, config, rta, total)
+    model, optimizer = _compiled_model(strategy, job, config, rta, total)
+    steps = config.steps_per_epoch or max(
+        1, job.num_train_examples() // (config.batch_size * num_workers)
+    )
+    _print_plan(config, num_workers, len(spec["ps"]), rta, total, steps)
+    shim = config.sync_optimizer == "tf1_shim"
+    seconds = _fit(model, job, config, steps, shim)
+    if shim:  # stop the shim's token watchdog before the cluster goes
+        optimizer.make_session_run_hook(is_chief=True).end()
+    accuracy = _evaluate(job, model)
+    if shim:
+        return _shim_totals(model, accuracy, seconds)
+    return _sync_totals(optimizer, accuracy, seconds, num_workers)
+
+
+def _strategy(resolver, config: ChiefConfig, rta: int, total: int):
+    """The `tf2sync.SyncParameterServerStrategy` of the cluster."""
+    import tf2sync
+
+    return tf2sync.SyncParameterServerStrategy(
         resolver,
         replicas_to_aggregate=rta,
         total_num_replicas=total,
         token_timeout=config.token_timeout,
     )
+
+
+def _compiled_model(strategy, job, config: ChiefConfig, rta: int, total: int):
+    """The job's model, compiled under `strategy`, and its optimizer.
+
+    Returns:
+      `(model, optimizer)`: `optimizer` as `sync_optimizer` made it.
+    """
+    import tf2sync
+
     with strategy.scope():
         model = job.build_model()
         optimizer = sync_optimizer(job, config, rta, total)
@@ -159,32 +192,32 @@ def _train_once(resolver, job, config: ChiefConfig):
             steps_per_execution=config.steps_per_execution,
         )
     tf2sync.unroll_fit_steps(model, config.unroll_steps)
-    steps = config.steps_per_epoch or max(
-        1, job.num_train_examples() // (config.batch_size * num_workers)
-    )
+    return model, optimizer
+
+
+def _print_plan(config: ChiefConfig, num_workers, num_ps, rta, total, steps):
+    """Prints the cluster and the run's settings, one line."""
     print(
-        f"tf2sync: {num_workers} workers, {len(spec['ps'])} ps, "
+        f"tf2sync: {num_workers} workers, {num_ps} ps, "
         f"replicas_to_aggregate={rta}, total_num_replicas={total}, "
         f"{steps} steps/epoch, {config.steps_per_execution} per function"
         f"{' (unrolled)' if config.unroll_steps else ' (tf_keras loop)'}, "
         f"{config.mixed_precision}",
         flush=True,
     )
+
+
+def _fit(model, job, config: ChiefConfig, steps: int, shim: bool) -> float:
+    """Fits `model`, resuming from `config.checkpoint_dir` if it has one.
+
+    Returns:
+      The seconds `fit` took.
+    """
     batch = config.batch_size
     data = tf.keras.utils.experimental.DatasetCreator(
         lambda ctx: job.train_dataset(ctx, batch)
     )
-    shim = config.sync_optimizer == "tf1_shim"
-    callbacks = [] if shim else [tf2sync.SyncMetrics(batch_size=batch)]
-    initial_epoch = 0
-    if config.checkpoint_dir:
-        saver = checkpointing.EpochCheckpoint(
-            config.checkpoint_dir, model, model.optimizer
-        )
-        initial_epoch = saver.restore_latest()
-        callbacks.append(saver)
-    if config.model_log_dir:
-        callbacks.append(tf.keras.callbacks.TensorBoard(config.model_log_dir))
+    callbacks, initial_epoch = _callbacks(model, config, shim)
     start = time.monotonic()
     model.fit(
         data,
@@ -195,29 +228,64 @@ def _train_once(resolver, job, config: ChiefConfig):
         verbose=1 if sys.stdout.isatty() else 2,
         callbacks=callbacks,
     )
-    seconds = time.monotonic() - start
-    if shim:  # stop the shim's token watchdog before the cluster goes
-        optimizer.make_session_run_hook(is_chief=True).end()
+    return time.monotonic() - start
+
+
+def _callbacks(model, config: ChiefConfig, shim: bool):
+    """`fit`'s callbacks, and the epoch to start from.
+
+    With `config.checkpoint_dir`, the latest epoch checkpoint is restored
+    into `model` here.
+
+    Returns:
+      `(callbacks, initial_epoch)`.
+    """
+    import tf2sync
+
+    batch = config.batch_size
+    callbacks = [] if shim else [tf2sync.SyncMetrics(batch_size=batch)]
+    initial_epoch = 0
+    if config.checkpoint_dir:
+        saver = checkpointing.EpochCheckpoint(
+            config.checkpoint_dir, model, model.optimizer
+        )
+        initial_epoch = saver.restore_latest()
+        callbacks.append(saver)
+    if config.model_log_dir:
+        callbacks.append(tf.keras.callbacks.TensorBoard(config.model_log_dir))
+    return callbacks, initial_epoch
+
+
+def _evaluate(job, model):
+    """`model`'s accuracy on the job's eval arrays, in a local copy."""
     x, y = job.eval_arrays()
     local = job.build_model()
     local.set_weights(model.get_weights())
     local.compile(loss=job.LOSS, metrics=list(job.METRICS))
     _, accuracy = local.evaluate(x, y, verbose=0)
-    if shim:
-        # TF1's global step (the checkpointed `optimizer.iterations`) counts
-        # every update of this run and of the runs it resumed; the shim does
-        # not count stale gradients (TF1 drops them silently).
-        totals = {
-            "accuracy": float(accuracy),
-            "sync_steps_applied": int(model.optimizer.iterations.numpy()),
-            "seconds": round(seconds, 2),
-        }
-        print(
-            f"accuracy={totals['accuracy']:.4f} "
-            f"sync_steps_applied={totals['sync_steps_applied']}",
-            flush=True,
-        )
-        return totals
+    return accuracy
+
+
+def _shim_totals(model, accuracy, seconds: float):
+    """The TF1 shim's totals, printed and returned."""
+    # TF1's global step (the checkpointed `optimizer.iterations`) counts
+    # every update of this run and of the runs it resumed; the shim does
+    # not count stale gradients (TF1 drops them silently).
+    totals = {
+        "accuracy": float(accuracy),
+        "sync_steps_applied": int(model.optimizer.iterations.numpy()),
+        "seconds": round(seconds, 2),
+    }
+    print(
+        f"accuracy={totals['accuracy']:.4f} "
+        f"sync_steps_applied={totals['sync_steps_applied']}",
+        flush=True,
+    )
+    return totals
+
+
+def _sync_totals(optimizer, accuracy, seconds: float, num_workers: int):
+    """The `SyncOptimizer`'s totals, printed and returned."""
     counts = callbacks_lib.sync_totals(optimizer)
     totals = {
         "accuracy": float(accuracy),

@@ -99,21 +99,8 @@ class Trainer:
           ValueError: If `steps_per_loop` is not a positive int, or
             `use_tf_while_loop` not None or a bool.
         """
-        if not isinstance(steps_per_loop, int) or steps_per_loop <= 0:
-            raise ValueError(
-                "`steps_per_loop` must be a positive int. Received: "
-                f"steps_per_loop={steps_per_loop!r}"
-            )
-        if use_tf_while_loop is not None and not isinstance(
-            use_tf_while_loop, bool
-        ):
-            raise ValueError(
-                "`use_tf_while_loop` must be None, True or False. Received: "
-                f"use_tf_while_loop={use_tf_while_loop!r}"
-            )
-        if options is None:
-            options = options_lib.of_strategy(strategy)
-        self.options = options_lib.check(options)
+        _check_loop_arguments(steps_per_loop, use_tf_while_loop)
+        self.options = _checked_options(strategy, options)
         self.strategy = strategy
         self.model = model
         self.optimizer = optimizer
@@ -124,28 +111,45 @@ class Trainer:
             strategy
         )
         self._callbacks = list(callbacks)
-        if verbose == "auto":
-            verbose = 1 if sys.stdout.isatty() else 2
-        self._verbose = verbose
+        self._verbose = _resolved_verbose(verbose)
         self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
         self._shim = isinstance(optimizer, compat_v1.SyncReplicasOptimizer)
-        self.global_step = None
-        with strategy.scope():
+        self.global_step = self._build_optimizer_state()
+        self._manager = self._checkpoint_manager(checkpoint_dir, max_to_keep)
+
+    def _build_optimizer_state(self):
+        """Builds the optimizer's variables under the strategy's scope.
+
+        Returns:
+          The TF1 shim's `global_step` variable, created here; None for a
+          `SyncOptimizer` (built on the model's trainable variables).
+        """
+        with self.strategy.scope():
             if self._shim:
-                self.global_step = tf.Variable(
+                return tf.Variable(
                     0, dtype=tf.int64, trainable=False, name="global_step"
                 )
-            else:
-                optimizer.build(model.trainable_variables)
-        self._manager = None
-        if checkpoint_dir:
-            extra = {"global_step": self.global_step} if self._shim else {}
-            checkpoint = tf.train.Checkpoint(
-                model=model, optimizer=optimizer, epoch=self._epoch, **extra
-            )
-            self._manager = tf.train.CheckpointManager(
-                checkpoint, checkpoint_dir, max_to_keep=max_to_keep
-            )
+            self.optimizer.build(self.model.trainable_variables)
+        return None
+
+    def _checkpoint_manager(self, checkpoint_dir, max_to_keep):
+        """The `tf.train.CheckpointManager` of `checkpoint_dir`, or None.
+
+        The checkpoint holds model, optimizer and epoch, and the shim's
+        `global_step`.
+        """
+        if not checkpoint_dir:
+            return None
+        extra = {"global_step": self.global_step} if self._shim else {}
+        checkpoint = tf.train.Checkpoint(
+            model=self.model,
+            optimizer=self.optimizer,
+            epoch=self._epoch,
+            **extra,
+        )
+        return tf.train.CheckpointManager(
+            checkpoint, checkpoint_dir, max_to_keep=max_to_keep
+        )
 
     # Template hooks -------------------------------------------------------
 
@@ -216,18 +220,10 @@ class Trainer:
           ValueError: If `steps_per_epoch` is not a multiple of
             `steps_per_loop`.
         """
-        if steps_per_epoch % self.steps_per_loop:
-            raise ValueError(
-                "`steps_per_epoch` must be a multiple of `steps_per_loop` "
-                f"({self.steps_per_loop}). Received: "
-                f"steps_per_epoch={steps_per_epoch}"
-            )
-        if self._manager and self._manager.latest_checkpoint:
-            self._manager.checkpoint.restore(
-                self._manager.latest_checkpoint
-            ).assert_existing_objects_matched()
+        self._check_steps_per_epoch(steps_per_epoch)
+        self._restore_latest_checkpoint()
         start_epoch = int(self._epoch.numpy())
-        loops = steps_per_epoch // self.steps_per_loop
+        loops_per_epoch = steps_per_epoch // self.steps_per_loop
         history = tf_keras.callbacks.History()
         callback_list = tf_keras.callbacks.CallbackList(
             self._callbacks + [history],
@@ -236,10 +232,7 @@ class Trainer:
             steps=steps_per_epoch,
             verbose=0,
         )
-        per_worker = self.coordinator.create_per_worker_dataset(
-            lambda: self.strategy.distribute_datasets_from_function(dataset_fn)
-        )
-        iterator = iter(per_worker)
+        iterator = self._per_worker_iterator(dataset_fn)
         loop = self._loop = self._loop_function()
         sync = None
         if not self._shim:
@@ -248,40 +241,118 @@ class Trainer:
         for epoch in range(start_epoch, epochs):
             self.train_loop_begin()
             callback_list.on_epoch_begin(epoch)
-            began = time.perf_counter()
-            before = self._sync_totals(sync)["sync_steps"]
-            results = [
-                self.coordinator.schedule(loop, args=(iterator,))
-                for _ in range(loops)
-            ]
-            bar = None
-            if self._verbose == 1:
-                bar = tf_keras.utils.Progbar(loops, unit_name="loop")
-            losses = []
-            for i, result in enumerate(results):
-                losses.append(float(result.fetch()))
-                if bar:
-                    bar.update(i + 1, [("loss", losses[-1])])
-            self.coordinator.join()
-            seconds = time.perf_counter() - began
-            totals = self._sync_totals(sync)
-            steps_done = totals["sync_steps"] - before
-            logs = {"loss": sum(losses) / len(losses), **totals}
-            logs["sync_steps_per_s"] = steps_done / max(seconds, 1e-9)
+            logs = self._run_epoch(loop, iterator, loops_per_epoch, sync)
             logs = self.train_loop_end(logs)
             callback_list.on_epoch_end(epoch, logs)
-            self._epoch.assign(epoch + 1)
-            if self._manager:
-                self._manager.save(checkpoint_number=epoch + 1)
-            if self._verbose == 2:
-                print(
-                    f"epoch {epoch + 1}/{epochs} "
-                    + " ".join(f"{k}={v:.4g}" for k, v in logs.items()),
-                    flush=True,
-                )
+            self._end_epoch(epoch, epochs, logs)
             if self.model.stop_training:
                 break
         callback_list.on_train_end()
         if self._shim:  # its watchdog; the next train() restarts it
             self.optimizer.make_session_run_hook(is_chief=True).end()
         return history
+
+    def _check_steps_per_epoch(self, steps_per_epoch):
+        """Raises `ValueError` unless a multiple of `steps_per_loop`."""
+        if steps_per_epoch % self.steps_per_loop:
+            raise ValueError(
+                "`steps_per_epoch` must be a multiple of `steps_per_loop` "
+                f"({self.steps_per_loop}). Received: "
+                f"steps_per_epoch={steps_per_epoch}"
+            )
+
+    def _restore_latest_checkpoint(self):
+        """Restores the latest checkpoint of `checkpoint_dir`, if any."""
+        if self._manager and self._manager.latest_checkpoint:
+            self._manager.checkpoint.restore(
+                self._manager.latest_checkpoint
+            ).assert_existing_objects_matched()
+
+    def _per_worker_iterator(self, dataset_fn):
+        """An iterator of `dataset_fn`'s distributed dataset on each worker."""
+        per_worker = self.coordinator.create_per_worker_dataset(
+            lambda: self.strategy.distribute_datasets_from_function(dataset_fn)
+        )
+        return iter(per_worker)
+
+    def _run_epoch(self, loop, iterator, loops_per_epoch, sync):
+        """Schedules an epoch's functions, joins, and returns its logs.
+
+        Args:
+          loop: The `tf.function` from `_loop_function`.
+          iterator: The per-worker iterator it reads.
+          loops_per_epoch: Functions to schedule.
+          sync: The `SyncOptimizer`, or None for the TF1 shim.
+
+        Returns:
+          The logs: the mean loss, the sync totals (read after the join)
+          and `sync_steps_per_s`.
+        """
+        began = time.perf_counter()
+        before = self._sync_totals(sync)["sync_steps"]
+        results = [
+            self.coordinator.schedule(loop, args=(iterator,))
+            for _ in range(loops_per_epoch)
+        ]
+        losses = self._fetch_losses(results)
+        self.coordinator.join()
+        seconds = time.perf_counter() - began
+        totals = self._sync_totals(sync)
+        steps_done = totals["sync_steps"] - before
+        logs = {"loss": sum(losses) / len(losses), **totals}
+        logs["sync_steps_per_s"] = steps_done / max(seconds, 1e-9)
+        return logs
+
+    def _fetch_losses(self, results):
+        """The scheduled functions' losses, in order; with `verbose=1` a bar."""
+        bar = None
+        if self._verbose == 1:
+            bar = tf_keras.utils.Progbar(len(results), unit_name="loop")
+        losses = []
+        for i, result in enumerate(results):
+            losses.append(float(result.fetch()))
+            if bar:
+                bar.update(i + 1, [("loss", losses[-1])])
+        return losses
+
+    def _end_epoch(self, epoch, epochs, logs):
+        """Counts `epoch` done, checkpoints it, and with `verbose=2` logs it."""
+        self._epoch.assign(epoch + 1)
+        if self._manager:
+            self._manager.save(checkpoint_number=epoch + 1)
+        if self._verbose == 2:
+            print(
+                f"epoch {epoch + 1}/{epochs} "
+                + " ".join(f"{k}={v:.4g}" for k, v in logs.items()),
+                flush=True,
+            )
+
+
+def _check_loop_arguments(steps_per_loop, use_tf_while_loop) -> None:
+    """Raises `ValueError` for the loop arguments `Trainer` refuses."""
+    if not isinstance(steps_per_loop, int) or steps_per_loop <= 0:
+        raise ValueError(
+            "`steps_per_loop` must be a positive int. Received: "
+            f"steps_per_loop={steps_per_loop!r}"
+        )
+    if use_tf_while_loop is not None and not isinstance(
+        use_tf_while_loop, bool
+    ):
+        raise ValueError(
+            "`use_tf_while_loop` must be None, True or False. Received: "
+            f"use_tf_while_loop={use_tf_while_loop!r}"
+        )
+
+
+def _checked_options(strategy, options):
+    """`options` checked; the strategy's when None."""
+    if options is None:
+        options = options_lib.of_strategy(strategy)
+    return options_lib.check(options)
+
+
+def _resolved_verbose(verbose):
+    """`verbose`, with "auto" resolved: 1 in a terminal, 2 otherwise."""
+    if verbose == "auto":
+        return 1 if sys.stdout.isatty() else 2
+    return verbose

@@ -59,6 +59,26 @@ def unroll_fit_steps(model, enabled: bool = True):
       TypeError: If `model` is not a tf_keras `Model`, or `enabled` not a
         bool.
     """
+    _check_arguments(model, enabled)
+    unrolled = getattr(model, "_tf2sync_unrolled", None)
+    if not enabled:
+        if unrolled:
+            _restore_keras_loop(model)
+        model._tf2sync_unrolled = False
+        return model
+    if unrolled:
+        return model
+    model.make_train_function = _repeating_make_train_function(
+        model, model.make_train_function
+    )
+    tf_internals.override_epoch_logs_validator(model, _exact_epoch_logs(model))
+    model.train_function = None  # made again, repeating its steps
+    model._tf2sync_unrolled = True
+    return model
+
+
+def _check_arguments(model, enabled) -> None:
+    """Raises `TypeError` for the arguments `unroll_fit_steps` refuses."""
     if not isinstance(model, tf_keras.Model):
         raise TypeError(
             "`model` must be a tf.keras.Model (tf_keras). Received: "
@@ -68,17 +88,26 @@ def unroll_fit_steps(model, enabled: bool = True):
         raise TypeError(
             f"`enabled` must be True or False. Received: enabled={enabled!r}"
         )
-    unrolled = getattr(model, "_tf2sync_unrolled", None)
-    if not enabled:
-        if unrolled:
-            del model.make_train_function  # the class's methods again
-            tf_internals.restore_epoch_logs_validator(model)
-            model.train_function = None
-        model._tf2sync_unrolled = False
-        return model
-    if unrolled:
-        return model
-    keras_make = model.make_train_function
+
+
+def _restore_keras_loop(model) -> None:
+    """Undoes `unroll_fit_steps(model)`: tf_keras's loop and log check."""
+    del model.make_train_function  # the class's methods again
+    tf_internals.restore_epoch_logs_validator(model)
+    model.train_function = None
+
+
+def _repeating_make_train_function(model, keras_make):
+    """`model.make_train_function`, its functions repeating their steps.
+
+    Args:
+      model: The tf_keras model.
+      keras_make: The model's own `make_train_function`, for `fit` without
+        a `ClusterCoordinator`.
+
+    Returns:
+      `make_train_function(force=False)`, as tf_keras's.
+    """
 
     def make_train_function(force=False):
         if model.train_function is not None and not force:
@@ -86,29 +115,42 @@ def unroll_fit_steps(model, enabled: bool = True):
         coordinator = tf_internals.model_coordinator(model)
         if coordinator is None:
             return keras_make(force=force)
-        functions = {}
         sync = _sync_optimizer(model)  # compile makes a new train function
-
-        def schedule(iterator):
-            # One function per value, as fit's data handler counts them.
-            steps = _steps_of_call(model)
-            function = functions.get(steps)
-            if function is None:
-                function = tf.function(_unrolled(model, steps))
-                functions[steps] = function
-                model.train_tf_function = function  # TensorBoard's graph
-            logs = coordinator.schedule(function, args=(iterator,))
-            return logs if sync is None else _WithSyncTotals(logs, sync)
-
-        schedule.functions = functions  # by steps (not tracked by Keras)
+        schedule = _scheduler(model, coordinator, sync)
         model.train_function = schedule
         return schedule
 
-    model.make_train_function = make_train_function
-    tf_internals.override_epoch_logs_validator(model, _exact_epoch_logs(model))
-    model.train_function = None  # made again, repeating its steps
-    model._tf2sync_unrolled = True
-    return model
+    return make_train_function
+
+
+def _scheduler(model, coordinator, sync):
+    """The train function `fit` calls: schedules a repeating function.
+
+    Args:
+      model: The tf_keras model.
+      coordinator: The `ClusterCoordinator` that schedules the functions.
+      sync: The model's `SyncOptimizer`, or None.
+
+    Returns:
+      `schedule(iterator)`, returning the scheduled function's logs (with
+      the sync totals when `sync` is not None); its `functions` attribute
+      holds the traced functions by steps.
+    """
+    functions = {}
+
+    def schedule(iterator):
+        # One function per value, as fit's data handler counts them.
+        steps = _steps_of_call(model)
+        function = functions.get(steps)
+        if function is None:
+            function = tf.function(_unrolled(model, steps))
+            functions[steps] = function
+            model.train_tf_function = function  # TensorBoard's graph
+        logs = coordinator.schedule(function, args=(iterator,))
+        return logs if sync is None else _WithSyncTotals(logs, sync)
+
+    schedule.functions = functions  # by steps (not tracked by Keras)
+    return schedule
 
 
 def repeat_by_default(model) -> None:
