@@ -934,7 +934,7 @@ class FitTest(absltest.TestCase):
         history = model.fit(
             dataset, epochs=epochs, steps_per_epoch=steps, verbose=0
         )
-        opt.make_session_run_hook(True).end()  # stop the round thread
+        opt.make_session_run_hook(True).end()  # stop the token watchdog
         rounds = int(opt.rounds.numpy())
         return model, initial, opt, rounds, history
 
