@@ -1,11 +1,11 @@
-"""compat_v1.engine's own logic, without a cluster."""
+"""compat_v1.step's own logic, without a cluster."""
 
 import numpy as np
 import tensorflow as tf
 from absl.testing import absltest
 
 import tf2sync  # noqa: F401  (sets TF_USE_LEGACY_KERAS first)
-from tf2sync._src.compat_v1 import engine
+from tf2sync._src.compat_v1 import step
 
 
 class OnePerVariableTest(absltest.TestCase):
@@ -29,7 +29,7 @@ class OnePerVariableTest(absltest.TestCase):
             ),
             (opt, [(None, dense)], None),  # a None gradient adds nothing
         ]
-        pairs = engine._one_per_variable(entries)
+        pairs = step.one_per_variable(entries)
         self.assertEqual([v for _, v in pairs], [dense, table])
         np.testing.assert_array_equal(pairs[0][0], [4.0, 6.0])
         self.assertIsInstance(pairs[1][0], tf.IndexedSlices)
@@ -39,7 +39,7 @@ class OnePerVariableTest(absltest.TestCase):
     def test_one_replica_keeps_its_gradients(self):
         var = tf.Variable(0.0)
         grad = tf.constant(1.0)
-        pairs = engine._one_per_variable([(object(), [(grad, var)], None)])
+        pairs = step.one_per_variable([(object(), [(grad, var)], None)])
         self.assertLen(pairs, 1)
         self.assertIs(pairs[0][0], grad)
 

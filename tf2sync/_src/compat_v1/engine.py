@@ -31,6 +31,7 @@ from tf2sync._src import tf_internals
 from tf2sync._src import watchdog
 from tf2sync._src import wire
 from tf2sync._src.compat_v1 import inner
+from tf2sync._src.compat_v1 import step as step_lib
 
 GLOBAL_STEP_REQUIRED = "Global step is required to check staleness"
 _AUTO = "started by the coordinator"
@@ -42,16 +43,6 @@ _MANUAL = "started by TF1's init-tokens op"
 # tokens the round needs; they carry the current global step, so they can
 # cost a wasted or dropped gradient, never a wrong one.
 DRAIN_TIMEOUT = 1.0
-
-
-class _Step:
-    """One traced replica step: the shim optimizers applied in it."""
-
-    def __init__(self, worker, after):
-        self.worker = worker
-        self.after = after  # the previous step's token in the same graph
-        self.entries = []  # (optimizer, grads_and_vars, global_step)
-        self.results = []  # placeholders rewired to the step's token
 
 
 class PushFirstStep:
@@ -86,7 +77,7 @@ class PushFirstStep:
         self._owner = {}  # id(variable) -> optimizer
         self._variables = []  # every variable pushed, in order
         self._claimed_by = set()
-        self._open = weakref.WeakKeyDictionary()  # graph -> _Step
+        self._open = weakref.WeakKeyDictionary()  # graph -> step_lib.Step
         self._last_token = weakref.WeakKeyDictionary()  # graph -> token
 
     @classmethod
@@ -105,14 +96,12 @@ class PushFirstStep:
     def run_step(self, run, fn):
         """Traces `fn` as one step, then its push and token (TF1's order)."""
         graph = tf.compat.v1.get_default_graph()
-        worker = step_context.current_worker()
-        if worker is None:
-            worker = tf.constant(0, tf.int64)
+        worker = step_lib.worker_or_zero()
         previous = self._last_token.get(graph)
         # Steps repeated in one function's graph have no order but their
         # data's, and TF1 runs one step per `session.run`: each step's ops
         # follow the previous step's token.
-        step = _Step(worker, [] if previous is None else [previous])
+        step = step_lib.Step(worker, [] if previous is None else [previous])
         outer = self._open.get(graph)
         self._open[graph] = step
 
@@ -136,7 +125,7 @@ class PushFirstStep:
         return result
 
     def open_step(self):
-        """The `_Step` being traced in the current graph, or None.
+        """The `step_lib.Step` being traced in the current graph, or None.
 
         Raises:
           ValueError: In a graph nested in a step's (a `tf.cond` branch, a
@@ -169,7 +158,7 @@ class PushFirstStep:
         """
         step = None if tf.executing_eagerly() else self.open_step()
         if step is None:
-            step = _Step(_worker_or_zero(), [])
+            step = step_lib.Step(step_lib.worker_or_zero(), [])
             step.entries.append((opt, grads_and_vars, global_step))
             return self._push(step, start=tf.executing_eagerly())
         step.entries.append((opt, grads_and_vars, global_step))
@@ -178,7 +167,9 @@ class PushFirstStep:
         return placeholder
 
     def _finish(self, step, graph, first):
-        _check_results_unused(step.results, graph.get_operations()[first:])
+        step_lib.check_results_unused(
+            step.results, graph.get_operations()[first:]
+        )
         token = self._push(step)
         for placeholder in step.results:
             tf_internals.update_op_input(placeholder.op, 0, token)
@@ -192,7 +183,7 @@ class PushFirstStep:
         """
         self._join(step.entries)
         grads_and_vars = []
-        for grad, var in _one_per_variable(step.entries):
+        for grad, var in step_lib.one_per_variable(step.entries):
             if isinstance(grad, tf.IndexedSlices):
                 # TF1 counts a row once per push: sum it within one.
                 ids, rows = wire.dedup(grad)
@@ -261,8 +252,7 @@ class PushFirstStep:
         if self.aggregator is None:
             with tf.init_scope():
                 self._build(grads_and_vars)
-        self.aggregator.build(grads_and_vars)
-        return self.aggregator
+        return self.aggregator  # its `push` checks the layout
 
     def _build(self, grads_and_vars):
         leader = self.members[0][0]
@@ -447,72 +437,3 @@ class PushFirstStep:
             self.watchdog = watchdog.TokenWatchdog(
                 self, timeout, drain_timeout=DRAIN_TIMEOUT
             )
-
-
-def _worker_or_zero():
-    worker = step_context.current_worker()
-    return tf.constant(0, tf.int64) if worker is None else worker
-
-
-def _one_per_variable(entries):
-    """The step's `(gradient, variable)` pairs, one per variable, in order.
-
-    On a worker with several GPUs each replica applies its own gradients
-    in the same traced step; the worker pushes once, with their sum (as
-    `tf2sync.SyncOptimizer` does): dense gradients added, sparse rows
-    concatenated.
-    """
-    order, grads = [], {}
-    for _, gvs, _ in entries:
-        for grad, var in gvs:
-            if grad is None:
-                continue
-            if id(var) not in grads:
-                order.append(var)
-            grads.setdefault(id(var), []).append(grad)
-    pairs = []
-    for var in order:
-        parts = grads[id(var)]
-        if len(parts) == 1:
-            grad = parts[0]
-        elif isinstance(parts[0], tf.IndexedSlices):
-            grad = tf.IndexedSlices(
-                tf.concat([p.values for p in parts], 0),
-                tf.concat([p.indices for p in parts], 0),
-                parts[0].dense_shape,
-            )
-        else:
-            grad = tf.add_n(parts)
-        pairs.append((grad, var))
-    return pairs
-
-
-def _check_results_unused(results, operations):
-    """Refuses ops of the step that wait on `apply_gradients`'s result.
-
-    The result is the step's token, which exists only once the step's one
-    push is made, after the replica function returned. An op of the step
-    that uses it (`tf.control_dependencies([train_op])` around a read of
-    the global step or the weights, say) and touches a resource would be
-    ordered before the push by automatic control dependencies: a cycle.
-    Pure ops (an identity, a cast) are fine.
-    """
-    waiting = {r.op for r in results}
-    for op in operations:
-        if op in waiting:
-            continue
-        if any(t.op in waiting for t in op.inputs) or any(
-            c in waiting for c in op.control_inputs
-        ):
-            if tf_internals.op_is_stateful(op) or any(
-                t.dtype == tf.resource for t in op.inputs
-            ):
-                raise ValueError(
-                    "An op of the replica step waits on the result of "
-                    "SyncReplicasOptimizer.apply_gradients and touches a "
-                    f"variable or queue ({op.type} {op.name!r}). The result "
-                    "exists once the step has pushed, after the function "
-                    "given to strategy.run returns: use it there (return it "
-                    "from the replica function), not inside."
-                )
-            waiting.add(op)

@@ -208,10 +208,6 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
         return None if aggregator is None else aggregator.token_queue
 
     @property
-    def _global_step(self):
-        return self._protocol.global_step if self._protocol else None
-
-    @property
     def _accumulator_list(self):
         # TF1's attribute: `(accumulator, device)` per variable with a
         # gradient. The core accumulates a push for all its variables at
