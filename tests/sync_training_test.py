@@ -546,10 +546,46 @@ class ConfigErrorTest(parameterized.TestCase):
             r"Received: total_num_replicas=-1$",
         ),
         (
-            "partitioner",
+            "partitioner_not_callable",
             {"replicas_to_aggregate": 2, "variable_partitioner": "fixed"},
+            TypeError,
+            r"Received: variable_partitioner='fixed'$",
+        ),
+        (
+            "partitioner_zero",
+            {
+                "replicas_to_aggregate": 2,
+                "variable_partitioner": lambda shape, dtype: [0, 1],
+            },
             ValueError,
-            r"`variable_partitioner`: sharded variables",
+            r"It returned \[0, 1\] for a variable of shape \[1024, 8\]",
+        ),
+        (
+            "partitioner_float",
+            {
+                "replicas_to_aggregate": 2,
+                "variable_partitioner": lambda shape, dtype: [2.5, 1],
+            },
+            ValueError,
+            r"It returned \[2.5, 1\]",
+        ),
+        (
+            "partitioner_int",
+            {
+                "replicas_to_aggregate": 2,
+                "variable_partitioner": lambda shape, dtype: 2,
+            },
+            ValueError,
+            r"returned 2 for a variable",
+        ),
+        (
+            "partitioner_second_axis",
+            {
+                "replicas_to_aggregate": 2,
+                "variable_partitioner": lambda shape, dtype: [1, 2],
+            },
+            ValueError,
+            r"split along axis 0 only\). It returned \[1, 2\]",
         ),
     )
     def test_bad_strategy_arguments(self, kwargs, error, message):

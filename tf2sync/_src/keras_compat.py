@@ -177,8 +177,11 @@ def apply(optimizer, grads_and_vars) -> tf.Operation:
     # dependencies order ops on the same resource) makes the step increment,
     # and everything after it, wait for all the writes. One element is
     # enough: a full read would copy a whole embedding every step.
+    # A slot of a sharded variable is listed as one `ShardedVariable`.
     written = [v for _, v in grads_and_vars] + [
-        v for v in optimizer.variables() if v is not optimizer.iterations
+        v
+        for v in tf_internals.shards(optimizer.variables())
+        if v is not optimizer.iterations
     ]
     reads = [_touch(v) for v in written]
     with tf.control_dependencies(reads):

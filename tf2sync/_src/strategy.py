@@ -11,6 +11,7 @@ from tf2sync._src import config as config_lib
 from tf2sync._src import coordinator as coordinator_lib
 from tf2sync._src import graph_rewrites
 from tf2sync._src import options as options_lib
+from tf2sync._src import sharding
 from tf2sync._src import step_context
 from tf2sync._src import tf_internals
 from tf2sync._src import watchdog
@@ -60,8 +61,9 @@ class _SyncExtended(tf_internals.ParameterServerExtended):
 
     def _create_variable(self, next_creator, **kwargs):
         var = super()._create_variable(next_creator, **kwargs)
-        if tf_internals.is_caching_variable(var):
-            self._tf2sync_variables[id(var)] = var  # for packed reads
+        for part in tf_internals.shards([var]):  # each shard on its ps
+            if tf_internals.is_caching_variable(part):
+                self._tf2sync_variables[id(part)] = part  # for packed reads
         return var
 
     def _update(self, var, fn, args, kwargs, group):
@@ -126,8 +128,15 @@ class SyncParameterServerStrategy(
           total_num_replicas: Replicas pushing gradients; `None` means
             `replicas_to_aggregate`. More than `replicas_to_aggregate` gives
             backup replicas; fewer means gradient accumulation.
-          variable_partitioner: Must be `None`: sharded variables are not
-            supported yet.
+          variable_partitioner: `None` (each variable whole on one ps, round
+            robin), or a partitioner as stock PSS takes it: one of
+            `tf.distribute.experimental.partitioners` (`FixedShardsPartitioner`,
+            `MinSizePartitioner`, `MaxSizePartitioner`), TF1's
+            `tf.compat.v1.fixed_size_partitioner`, or any callable
+            `(shape, dtype) -> [num_shards, 1, ...]`. Variables of rank >= 1
+            become `ShardedVariable`s, each shard on its own ps, and each
+            shard's gradients are aggregated on its ps (see
+            `tf2sync/_src/sharding.py`).
           token_timeout: Seconds without progress and without tokens after
             which the tokens a dead worker took are released (see
             `tf2sync/_src/watchdog.py`); `None` turns that off.
@@ -137,17 +146,13 @@ class SyncParameterServerStrategy(
         Raises:
           TypeError: If a count is not an int, or `options` not a
             `tf2sync.SyncOptions`.
-          ValueError: If a count is not positive, or a partitioner is given.
+          ValueError: If a count is not positive, or the partitioner is not
+            callable or returns something other than `[n >= 1, 1, ...]`.
         """
         self._sync_config = config_lib.SyncConfig.create(
             replicas_to_aggregate, total_num_replicas
         )
-        if variable_partitioner is not None:
-            raise ValueError(
-                "`variable_partitioner`: sharded variables are not supported "
-                "by SyncParameterServerStrategy yet. Received: "
-                f"variable_partitioner={variable_partitioner!r}"
-            )
+        variable_partitioner = sharding.checked(variable_partitioner)
         if token_timeout is not None and not float(token_timeout) > 0:
             raise ValueError(
                 "`token_timeout` must be a positive number of seconds or "
@@ -166,7 +171,7 @@ class SyncParameterServerStrategy(
             # one would read through handles the connection invalidates.
             watchdog.stop_all()
         _CONNECTED["spec"] = spec
-        super().__init__(cluster_resolver)
+        super().__init__(cluster_resolver, variable_partitioner)
         tf_internals.replace_extended_class(self, _SyncExtended)
         self._extended._tf2sync_variables = weakref.WeakValueDictionary()
         # Installed now, so that ClusterCoordinator(strategy) returns it.

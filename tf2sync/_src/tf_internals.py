@@ -26,6 +26,7 @@ from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute import parameter_server_strategy_v2
 from tensorflow.python.distribute import ps_values
+from tensorflow.python.distribute import sharded_variable
 from tensorflow.python.distribute.coordinator import (
     cluster_coordinator as coordinator_lib,
 )
@@ -87,6 +88,25 @@ def is_caching_variable(var) -> bool:
     """Whether `var` is PSS's variable with a read cache (no public class:
     `ps_values.CachingVariable`, what PSS's creator returns or wraps)."""
     return isinstance(var, ps_values.CachingVariable)
+
+
+def is_sharded_variable(var) -> bool:
+    """Whether `var` is a `ShardedVariable` (what PSS's creator returns for
+    a partitioned variable; exported only as
+    `tf.__internal__.distribute.ShardedVariable`)."""
+    return isinstance(var, sharded_variable.ShardedVariable)
+
+
+def shards(variables) -> list:
+    """`variables` with each `ShardedVariable` replaced by its shards, in
+    order (a shard is a variable of its own on one ps)."""
+    flat = []
+    for var in variables:
+        if is_sharded_variable(var):
+            flat.extend(var.variables)
+        else:
+            flat.append(var)
+    return flat
 
 
 def in_read_caching_scope() -> bool:

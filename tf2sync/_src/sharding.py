@@ -1,0 +1,97 @@
+"""Sharded variables: partitioners checked, shards listed.
+
+Under `SyncParameterServerStrategy(variable_partitioner=...)` a variable of
+rank >= 1 becomes a `ShardedVariable` exactly as under stock PSS: its rows
+split over `n` shards ("div" order: the first `rows % n` shards one row
+longer), shard `i` on ps `i % num_ps` round robin. Keras lists the shards,
+not the `ShardedVariable`, as a layer's weights, so each shard is a variable
+of its own to the rest of tf2sync: its gradient is a tensor or an
+`IndexedSlices` of that shard's rows, accumulated beside the shard on its
+ps (`wire.Layout` groups by the variable's device), and applied there by
+the one update of the step. The update ends with the global step's
+increment after every shard's write (`keras_compat.apply`), so a step
+tagged after it reads every shard of the same step.
+
+A partitioner is checked when it is given and again for every variable:
+stock PSS accepts any callable and fails deep inside variable creation, or
+later, on a return value such as `0`, `2.5` or `[2, 2]`.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import tensorflow as tf
+
+from tf2sync._src import tf_internals
+
+# A shape every partitioner must handle, to check it when it is given.
+_PROBE_SHAPE = tf.TensorShape([1024, 8])
+
+
+def checked(partitioner):
+    """`partitioner` wrapped to check what it returns; None stays None.
+
+    Raises:
+      TypeError: If `partitioner` is not callable.
+      ValueError: If it returns something other than `[n >= 1, 1, ...]`
+        for a `[1024, 8]` float32 variable.
+    """
+    if partitioner is None:
+        return None
+    if isinstance(partitioner, _Checked):
+        return partitioner
+    if not callable(partitioner):
+        raise TypeError(
+            "`variable_partitioner` must be a callable (shape, dtype) -> "
+            "[num_shards, 1, ...], such as tf.distribute.experimental."
+            "partitioners.FixedShardsPartitioner(2), or None. Received: "
+            f"variable_partitioner={partitioner!r}"
+        )
+    wrapped = _Checked(partitioner)
+    wrapped(shape=_PROBE_SHAPE, dtype=tf.float32)
+    return wrapped
+
+
+class _Checked:
+    """Calls the user's partitioner and refuses a malformed answer."""
+
+    def __init__(self, partitioner):
+        self.partitioner = partitioner
+
+    def __repr__(self):
+        return repr(self.partitioner)
+
+    def __call__(self, shape, dtype, **kwargs):
+        shape = tf.TensorShape(shape)
+        result = self.partitioner(shape=shape, dtype=dtype, **kwargs)
+        parts = list(result) if isinstance(result, (list, tuple)) else None
+        ok = (
+            parts is not None
+            and parts
+            and all(
+                isinstance(p, numbers.Integral) and not isinstance(p, bool)
+                for p in parts
+            )
+            and parts[0] >= 1
+            and all(p == 1 for p in parts[1:])
+        )
+        if not ok:
+            raise ValueError(
+                "`variable_partitioner` must return a list of ints, "
+                "[num_shards >= 1, 1, ...] (variables are split along axis 0 "
+                f"only). It returned {result!r} for a variable of "
+                f"shape {shape.as_list()} and dtype {tf.as_dtype(dtype).name}"
+                f". Received: variable_partitioner={self.partitioner!r}"
+            )
+        return [int(p) for p in parts]
+
+
+def shards(variables) -> list:
+    """`variables` with each `ShardedVariable` replaced by its shards."""
+    return tf_internals.shards(variables)
+
+
+def is_sharded(variable) -> bool:
+    """Whether `variable` is a `ShardedVariable`."""
+    return tf_internals.is_sharded_variable(variable)
