@@ -10,11 +10,75 @@ one and continues from the next epoch.
 
 from __future__ import annotations
 
+import collections
 import os
 
 import tensorflow as tf
 import tf_keras
 from absl import logging
+
+from tf2sync._src import sharding
+
+
+def check_shapes(checkpoint, path: str) -> None:
+    """Refuses a checkpoint whose variables have other shapes than ours.
+
+    A sharded table is saved whole (its shards are slices of one saved
+    variable), so a checkpoint restores into another number of shards;
+    but a table of another vocabulary size fails deep inside the restore
+    with a multi-page graph error, or (partly restored) not at all. This
+    compares every variable the checkpoint and `checkpoint`'s objects have
+    in common, by their path in the object graph, before anything is
+    restored.
+
+    Args:
+      checkpoint: The `tf.train.Checkpoint` about to restore `path`.
+      path: The checkpoint's prefix, e.g. `<dir>/ckpt-3`.
+
+    Raises:
+      ValueError: Naming the checkpoint, the first variable whose shape
+        differs, and both shapes.
+    """
+    saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    for key, variable in _variables_by_key(checkpoint):
+        if key not in saved:
+            continue
+        ours = variable.shape.as_list()
+        if list(saved[key]) != ours:
+            name = variable.name
+            if sharding.is_sharded(variable):  # named "ShardedVariable"
+                name = variable.variables[0].name.rsplit("/part_", 1)[0]
+            raise ValueError(
+                f"The checkpoint {path} does not fit this model: it saved "
+                f"{key.split('/.ATTRIBUTES')[0]} (variable "
+                f"{name.split(':')[0]}) with shape "
+                f"{list(saved[key])}, the model's has shape {ours}. Build "
+                "the model it was saved from (e.g. the same vocabulary "
+                "size), or use another checkpoint directory."
+            )
+
+
+def _variables_by_key(root):
+    """`(checkpoint key, variable)` of every variable under `root`.
+
+    Walks the object graph as `tf.train.Checkpoint` saves it (public
+    `tf.train.TrackableView`); a `ShardedVariable` is one variable there.
+    """
+    # Breadth first, as the checkpoint names an object by its first path.
+    seen = {id(root)}
+    queue = collections.deque([("", root)])
+    while queue:
+        prefix, obj = queue.popleft()
+        if isinstance(obj, tf.Variable) or sharding.is_sharded(obj):
+            yield prefix + "/.ATTRIBUTES/VARIABLE_VALUE", obj
+            if not sharding.is_sharded(obj):
+                continue
+        for name, child in tf.train.TrackableView.children(obj).items():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            escaped = name.replace(".", "..").replace("/", "./")
+            queue.append((f"{prefix}/{escaped}" if prefix else escaped, child))
 
 
 def _epoch_of(path: str) -> int:
@@ -39,6 +103,7 @@ class EpochCheckpoint(tf_keras.callbacks.Callback):
         latest = self._manager.latest_checkpoint
         if latest is None:
             return 0
+        check_shapes(self._checkpoint, latest)
         self._checkpoint.restore(latest).assert_existing_objects_matched()
         logging.warning("Resumed from %s", latest)
         return _epoch_of(latest)

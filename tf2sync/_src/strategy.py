@@ -153,6 +153,9 @@ class SyncParameterServerStrategy(
             replicas_to_aggregate, total_num_replicas
         )
         variable_partitioner = sharding.checked(variable_partitioner)
+        if variable_partitioner is not None:
+            tf_internals.install_sharded_autocast()  # mixed_float16 layers
+            tf_internals.install_whole_weights_in_keras_files()
         if token_timeout is not None and not float(token_timeout) > 0:
             raise ValueError(
                 "`token_timeout` must be a positive number of seconds or "

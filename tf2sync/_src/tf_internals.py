@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 from tensorflow.python.distribute import distribute_utils
@@ -32,7 +33,9 @@ from tensorflow.python.distribute.coordinator import (
 )
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import base as trackable
+from tf_keras.src.engine import base_layer as keras_base_layer
 from tf_keras.src.engine import training as keras_training
+from tf_keras.src.mixed_precision import autocast_variable
 from tf_keras.src.mixed_precision import loss_scale_optimizer as lso
 
 # Graph ops [2.21] [2.15: kept] -----------------------------------------------
@@ -548,6 +551,98 @@ def install_loss_scaling_predicate(predicate) -> None:
     supports loss scaling, before it builds a mixed_float16 layer or a
     loss-scale optimizer (it looks the function up at each call)."""
     lso.strategy_supports_loss_scaling = predicate
+
+
+_CREATE_AUTOCAST = autocast_variable.create_autocast_variable
+
+
+def _create_autocast_sharded(variable):
+    if not is_sharded_variable(variable):
+        return _CREATE_AUTOCAST(variable)
+    parts = [_CREATE_AUTOCAST(v) for v in variable.variables]
+    return sharded_variable.ShardedVariable(parts, name=variable.name)
+
+
+def install_sharded_autocast() -> None:
+    """Lets a mixed_float16 layer create a sharded weight.
+
+    tf_keras wraps each float weight of such a layer in an
+    `AutoCastVariable` (`autocast_variable.create_autocast_variable`, looked
+    up at each call by `Layer.add_weight`), which refuses a
+    `ShardedVariable` (tf_keras 2.21 fails so under stock PSS too). Once
+    installed, a `ShardedVariable` becomes a `ShardedVariable` of
+    autocast shards: each shard reads as float16 in the layer's compute,
+    stays float32 on its ps, and is a variable of its own to the
+    optimizer and to tf2sync. Idempotent; other variables are wrapped as
+    before.
+    """
+    autocast_variable.create_autocast_variable = _create_autocast_sharded
+
+
+_SAVE_OWN_VARIABLES = keras_base_layer.Layer.save_own_variables
+_LOAD_OWN_VARIABLES = keras_base_layer.Layer.load_own_variables
+
+
+def _weight_groups(layer):
+    """A layer's saved weights (`_trainable_weights` then
+    `_non_trainable_weights`, which list a sharded weight as its shards, in
+    order), each sharded weight's shards as one group: `[(sharded or None,
+    [variables])]`."""
+    groups = []
+    for var in layer._trainable_weights + layer._non_trainable_weights:
+        ref = getattr(var, "_sharded_container", None)
+        container = ref() if ref is not None else None
+        if container is not None and groups and groups[-1][0] is container:
+            groups[-1][1].append(var)
+        else:
+            groups.append((container, [var]))
+    return groups
+
+
+def _save_own_variables(layer, store):
+    groups = _weight_groups(layer)
+    if all(container is None for container, _ in groups):
+        return _SAVE_OWN_VARIABLES(layer, store)
+    for i, (_, parts) in enumerate(groups):
+        store[f"{i}"] = np.concatenate([p.numpy() for p in parts], axis=0)
+    return None
+
+
+def _load_own_variables(layer, store):
+    layer._update_trackables()
+    groups = _weight_groups(layer)
+    if all(container is None for container, _ in groups):
+        return _LOAD_OWN_VARIABLES(layer, store)
+    if len(store.keys()) != len(groups):
+        raise ValueError(
+            f"Layer '{layer.name}' expected {len(groups)} variables, but "
+            f"received {len(store.keys())} variables during loading."
+        )
+    for i, (_, parts) in enumerate(groups):
+        value = store[f"{i}"]
+        offset = 0
+        for part in parts:
+            rows = int(part.shape[0]) if part.shape.rank else 1
+            part.assign(
+                value[offset : offset + rows] if part.shape.rank else value
+            )
+            offset += rows
+    return None
+
+
+def install_whole_weights_in_keras_files() -> None:
+    """Makes the `.keras` format save a sharded weight whole.
+
+    tf_keras's `Layer.save_own_variables` (and `load_own_variables`)
+    store `layer.weights` one entry each, and a layer lists a sharded
+    weight as its shards: a `.keras` file of a model with 3 shards would
+    load only into a model with 3 shards (no other file of tf_keras
+    splits a weight). Once installed, a layer with sharded weights stores
+    each whole (its shards concatenated) and loads it into however many
+    shards it has, 1 included; other layers are saved as before.
+    """
+    keras_base_layer.Layer.save_own_variables = _save_own_variables
+    keras_base_layer.Layer.load_own_variables = _load_own_variables
 
 
 def dynamic_loss_scale_state(optimizer):

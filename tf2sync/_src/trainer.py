@@ -9,6 +9,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf2sync._src import callbacks as callbacks_lib
+from tf2sync._src import checkpointing
 from tf2sync._src import compat_v1
 from tf2sync._src import loops
 from tf2sync._src import options as options_lib
@@ -264,6 +265,9 @@ class Trainer:
     def _restore_latest_checkpoint(self):
         """Restores the latest checkpoint of `checkpoint_dir`, if any."""
         if self._manager and self._manager.latest_checkpoint:
+            checkpointing.check_shapes(
+                self._manager.checkpoint, self._manager.latest_checkpoint
+            )
             self._manager.checkpoint.restore(
                 self._manager.latest_checkpoint
             ).assert_existing_objects_matched()

@@ -1,0 +1,585 @@
+"""Sharded variables under SyncParameterServerStrategy(variable_partitioner).
+
+One in-process cluster of 2 workers and 3 ps hosts every test here (in-process
+servers cannot be stopped): 2 shards take 2 of the 3 ps, 3 shards one each,
+and unsharded scalars (the global step, metric totals) go round robin
+beside them.
+
+The headline test: 2 workers at batch B over S shards follow one process at
+2B (float32 tolerance), dense and sparse, SGD, momentum and Adam, S in
+{2, 3}. A sharded model starts from per-shard initial values, so the
+one-process reference starts from the sharded model's weights, the shards
+of each variable concatenated.
+"""
+
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import tensorflow as tf
+import testutil
+from absl.testing import absltest
+from absl.testing import parameterized
+
+import tf2sync
+from tf2sync._src import step_context
+
+NUM_WORKERS, NUM_PS = 2, 3
+VOCAB_A, VOCAB_B = 50, 31
+
+OPTIMIZERS = {
+    "sgd": lambda: tf.keras.optimizers.SGD(0.1),
+    "momentum": lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9),
+    "adam": lambda: tf.keras.optimizers.Adam(0.01),
+    "legacy_adam": lambda: tf.keras.optimizers.legacy.Adam(0.01),
+}
+
+
+def fixed(shards):
+    return tf.distribute.experimental.partitioners.FixedShardsPartitioner(
+        shards
+    )
+
+
+def strategy(shards, replicas_to_aggregate=2, **kwargs):
+    partitioner = fixed(shards) if shards > 1 else None
+    return testutil.strategy(
+        NUM_WORKERS,
+        NUM_PS,
+        replicas_to_aggregate=replicas_to_aggregate,
+        variable_partitioner=partitioner,
+        **kwargs,
+    )
+
+
+def two_tables_model(seed=0, vocab_a=VOCAB_A):
+    """Two embedding tables (two sparse gradients) and a dense head."""
+    tf.keras.utils.set_random_seed(seed)
+    ids = tf.keras.Input((5,), dtype="int64")
+    a = tf.keras.layers.Embedding(vocab_a, 4, name="table_a")(ids)
+    b = tf.keras.layers.Embedding(VOCAB_B, 3, name="table_b")(ids % VOCAB_B)
+    pooled = tf.keras.layers.Concatenate()(
+        [
+            tf.keras.layers.GlobalAveragePooling1D()(a),
+            tf.keras.layers.GlobalAveragePooling1D()(b),
+        ]
+    )
+    hidden = tf.keras.layers.Dense(6, activation="relu")(pooled)
+    return tf.keras.Model(ids, tf.keras.layers.Dense(3)(hidden))
+
+
+MODELS = {
+    "dense": testutil.dense_model,
+    "sparse": testutil.sparse_model,
+    "two_tables": two_tables_model,
+}
+DATA = {"dense": "dense", "sparse": "sparse", "two_tables": "sparse"}
+
+
+def full_weights(model):
+    """The model's weights with each variable's shards concatenated.
+
+    Keras lists a sharded variable as its shards, named `<name>/part_<i>`,
+    in order.
+    """
+    grouped = collections.OrderedDict()
+    for var in model.weights:
+        name = var.name.split(":")[0]
+        base = name.rsplit("/part_", 1)[0] if "/part_" in name else name
+        grouped.setdefault(base, []).append(var.numpy())
+    return [np.concatenate(parts, axis=0) for parts in grouped.values()]
+
+
+def shard_counts(model):
+    """{variable name: number of shards} for the model's weights."""
+    counts = collections.Counter()
+    for var in model.weights:
+        counts[var.name.split(":")[0].rsplit("/part_", 1)[0]] += 1
+    return dict(counts)
+
+
+def reference(kind, opt_fn, batches, initial):
+    """One process, one step per global batch, from `initial` weights."""
+    model = MODELS[kind]()
+    model.set_weights(initial)
+    opt = opt_fn()
+    for x, y in batches:
+        with tf.GradientTape() as tape:
+            loss = testutil.mean_loss(y, model(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    return model.get_weights()
+
+
+def split(x, y, rounds, batch):
+    """Per round: each worker's batch, and the global batch."""
+    out = []
+    for r in range(rounds):
+        lo = r * NUM_WORKERS * batch
+        parts = [
+            (
+                x[lo + i * batch : lo + (i + 1) * batch],
+                y[lo + i * batch : lo + (i + 1) * batch],
+            )
+            for i in range(NUM_WORKERS)
+        ]
+        out.append(
+            (
+                parts,
+                (
+                    x[lo : lo + NUM_WORKERS * batch],
+                    y[lo : lo + NUM_WORKERS * batch],
+                ),
+            )
+        )
+    return out
+
+
+class EquivalenceTest(parameterized.TestCase):
+    @parameterized.product(
+        kind=("dense", "sparse", "two_tables"),
+        opt_name=("sgd", "momentum", "adam"),
+        shards=(2, 3),
+    )
+    def test_n_workers_at_b_over_s_shards_equal_one_process_at_nb(
+        self, kind, opt_name, shards
+    ):
+        batch, rounds = 8, 4
+        sync = strategy(shards)
+        with sync.scope():
+            model = MODELS[kind]()
+            opt = tf2sync.SyncOptimizer(OPTIMIZERS[opt_name]())
+            opt.build(model.trainable_variables)
+        # Every variable of rank >= 1 is split, each shard on its own ps.
+        counts = shard_counts(model)
+        self.assertEqual(set(counts.values()), {shards}, counts)
+        for name in counts:
+            devices = [
+                v.device for v in model.weights if v.name.startswith(name)
+            ]
+            self.assertLen(set(devices), shards, devices)
+        initial = full_weights(model)
+        x, y = testutil.data(DATA[kind], NUM_WORKERS * batch * rounds)
+        loop = testutil.Loop(sync, model, opt)
+        global_batches = []
+        for parts, whole in split(x, y, rounds, batch):
+            loop.round(parts)
+            global_batches.append(whole)
+        expected = reference(
+            kind, OPTIMIZERS[opt_name], global_batches, initial
+        )
+        self.assertEqual(int(opt.iterations.numpy()), rounds)
+        self.assertEqual(int(opt.gradients_accepted.numpy()), 2 * rounds)
+        self.assertEqual(int(opt.stale_dropped.numpy()), 0)
+        self.assertLess(
+            testutil.max_abs_diff(full_weights(model), expected), 1e-5
+        )
+
+    def test_sparse_gradients_stay_sparse_on_each_shards_ps(self):
+        sync = strategy(3)
+        with sync.scope():
+            model = two_tables_model()
+            opt = tf2sync.SyncOptimizer(OPTIMIZERS["momentum"]())
+            opt.build(model.trainable_variables)
+        loop = testutil.Loop(sync, model, opt)
+        x, y = testutil.data("sparse", 2 * 8)
+        loop.round(split(x, y, 1, 8)[0][0])
+        layout = opt._aggregator._layout
+        tables = [v for v in model.trainable_variables if "table" in v.name]
+        # One queue of (ids, rows) per table shard, on that shard's ps; no
+        # dense buffer holds a row of a table.
+        self.assertEqual(
+            [s.variable for s in layout.sparse], tables, layout.sparse
+        )
+        for slot in layout.sparse:
+            self.assertEqual(slot.queue.queue_ref.device, slot.variable.device)
+        for group in layout.dense:
+            for var in group.variables:
+                self.assertNotIn("table", var.name)
+                self.assertEqual(var.device, group.device)
+        self.assertEqual(int(opt.iterations.numpy()), 1)
+
+
+class ConsistentReadTest(parameterized.TestCase):
+    """A step tagged t reads every shard as of step t, never older.
+
+    `w` ([12, 1], 3 shards, one per ps) trains by SGD(1.0) on the loss
+    `sum(w * c)`: every push's gradient is `c`, so after t updates
+    `w = w0 - t * c` exactly, on every shard. Each step returns its tag and
+    what it read of each shard; a read of a shard not yet (or no longer)
+    at the tag's step shows as a shard whose value names another step.
+    Steps sleep between tag and reads, so that the other worker's push,
+    and with a backup worker its update, land while they read.
+    """
+
+    @parameterized.named_parameters(
+        ("all_aggregated", 2, 2),
+        # 1 of 2: an update can land between a step's tag and its reads;
+        # such a step is stale, and is dropped.
+        ("backup", 1, 2),
+    )
+    def test_reads_after_the_tag_see_that_step_on_every_shard(self, rta, total):
+        sync = strategy(3, replicas_to_aggregate=rta, total_num_replicas=total)
+        c = np.arange(1, 13, dtype=np.float32).reshape(12, 1) / 8.0
+        with sync.scope():
+            w = tf.Variable(np.zeros([12, 1], np.float32), name="w")
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(1.0))
+            opt.build(w.variables)
+        self.assertLen(w.variables, 3)
+        self.assertLen({v.device for v in w.variables}, 3)
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(sync)
+
+        def replica(seconds):
+            tag = step_context.current_step().tag
+            slept = tf.py_function(
+                lambda s: time.sleep(float(s)) or 0.0, [seconds], tf.float32
+            )
+            with tf.control_dependencies([slept]):
+                reads = [tf.identity(v.read_value()) for v in w.variables]
+            with tf.GradientTape() as tape:
+                tape.watch(reads)
+                loss = tf.add_n(
+                    [
+                        tf.reduce_sum(r * part)
+                        for r, part in zip(reads, np.split(c, [4, 8]))
+                    ]
+                )
+            grads = tape.gradient(loss, reads)
+            applied = opt.apply_gradients(zip(grads, w.variables))
+            return tag, tf.concat(reads, 0), applied
+
+        @tf.function
+        def step(seconds):
+            return sync.run(replica, args=(seconds,))
+
+        rng = np.random.RandomState(0)
+        results = [
+            coordinator.schedule(
+                step, args=(tf.constant(rng.uniform(0, 0.02), tf.float32),)
+            )
+            for _ in range(40)
+        ]
+        coordinator.join()
+        fresh = 0
+        for result in results:
+            tag, read, applied = (np.asarray(v) for v in result.fetch())
+            steps = np.round(-read[:, 0] / c[:, 0]).astype(int)
+            np.testing.assert_allclose(-read, steps[:, None] * c, atol=1e-5)
+            # Never older than the tag, on any shard.
+            self.assertTrue(np.all(steps >= int(tag)), (int(tag), steps))
+            if np.all(steps == int(tag)):
+                fresh += 1
+        final = int(opt.iterations.numpy())
+        np.testing.assert_allclose(
+            tf.concat(w.variables, 0).numpy(), -final * c, atol=1e-4
+        )
+        self.assertEqual(
+            int(opt.gradients_accepted.numpy()) // rta * rta,
+            final * rta,
+        )
+        self.assertGreaterEqual(fresh, int(opt.gradients_accepted.numpy()))
+        if rta == total:
+            self.assertEqual(final, 20)
+            self.assertEqual(int(opt.stale_dropped.numpy()), 0)
+
+
+class EverywhereTest(parameterized.TestCase):
+    """fit, Trainer, MultiOptimizer, EMA, mixed precision on shards."""
+
+    def _fit_reference(self, model, opt_fn, x, y, steps, kind="sparse"):
+        return reference(kind, opt_fn, [(x, y)] * steps, full_weights(model))
+
+    @parameterized.named_parameters(("repeated", True), ("keras_loop", False))
+    def test_fit_matches_the_one_process_reference(self, repeated):
+        sync = strategy(2)
+        with sync.scope():
+            model = two_tables_model()
+            opt = tf2sync.SyncOptimizer(OPTIMIZERS["momentum"]())
+            model.compile(optimizer=opt, loss=testutil.LOSS)
+            if not repeated:
+                tf2sync.unroll_fit_steps(model, False)
+        x, y = testutil.data("sparse", 16)
+        initial = full_weights(model)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        history = model.fit(
+            ds,
+            epochs=2,
+            steps_per_epoch=6,
+            verbose=0,
+            callbacks=[tf2sync.SyncMetrics(batch_size=16)],
+        )
+        # 12 pushes of the same batch, 2 per update: 6 updates at that
+        # batch (the mean of identical gradients is the gradient).
+        self.assertEqual(int(opt.iterations.numpy()), 6)
+        self.assertEqual(history.history["sync_steps"], [3, 6])
+        self.assertEqual(history.history["stale_dropped"], [0, 0])
+        expected = reference(
+            "two_tables", OPTIMIZERS["momentum"], [(x, y)] * 6, initial
+        )
+        self.assertLess(
+            testutil.max_abs_diff(full_weights(model), expected), 1e-5
+        )
+
+    def test_multi_optimizer_routes_shards_by_identity(self):
+        sync = strategy(3)
+        groups = (
+            lambda m: [  # noqa: E731
+                (
+                    tf.keras.optimizers.SGD(0.1, momentum=0.9),
+                    m.get_layer("table_a"),
+                ),
+                (
+                    tf.keras.optimizers.Adam(0.01),
+                    [m.get_layer("table_b")] + m.layers[-2:],
+                ),
+            ]
+        )
+        with sync.scope():
+            model = two_tables_model()
+            multi = tf2sync.MultiOptimizer(groups(model))
+            opt = tf2sync.SyncOptimizer(multi)
+            opt.build(model.trainable_variables)
+        initial = full_weights(model)
+        x, y = testutil.data("sparse", 2 * 8 * 3)
+        loop = testutil.Loop(sync, model, opt)
+        global_batches = []
+        for parts, whole in split(x, y, 3, 8):
+            loop.round(parts)
+            global_batches.append(whole)
+        ref = two_tables_model()
+        ref.set_weights(initial)
+        ref_opt = tf2sync.MultiOptimizer(groups(ref))
+        for bx, by in global_batches:
+            with tf.GradientTape() as tape:
+                loss = testutil.mean_loss(by, ref(bx))
+            grads = tape.gradient(loss, ref.trainable_variables)
+            ref_opt.apply_gradients(zip(grads, ref.trainable_variables))
+        self.assertEqual(int(opt.iterations.numpy()), 3)
+        self.assertLess(
+            testutil.max_abs_diff(full_weights(model), ref.get_weights()),
+            1e-5,
+        )
+
+    def test_ema_shadows_each_shard_beside_it(self):
+        sync = strategy(2)
+        with sync.scope():
+            model = testutil.sparse_model()
+            opt = tf2sync.SyncOptimizer(
+                tf.keras.optimizers.SGD(0.5), ema_decay=0.5
+            )
+            model.compile(optimizer=opt, loss=testutil.LOSS)
+        x, y = testutil.data("sparse", 16)
+        w0 = full_weights(model)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)  # 1 update
+        self.assertEqual(int(opt.iterations.numpy()), 1)
+        for var, shadow in zip(opt._ema.variables, opt.ema_variables):
+            self.assertEqual(shadow.device, var.device)
+        w1 = full_weights(model)
+        with opt.ema_weights():
+            ema = full_weights(model)
+        for a, b, e in zip(w0, w1, ema):
+            np.testing.assert_allclose(e, 0.5 * a + 0.5 * b, atol=1e-6)
+
+    def test_mixed_precision_trains_sharded_tables(self):
+        sync = strategy(2)
+        tf.keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            with sync.scope():
+                model = two_tables_model()
+                opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+                model.compile(optimizer=opt, loss=testutil.LOSS)
+        finally:
+            tf.keras.mixed_precision.set_global_policy("float32")
+        # Every weight is sharded, float32 on its ps, read as float16.
+        self.assertEqual(set(shard_counts(model).values()), {2})
+        self.assertEqual({v.dtype for v in model.weights}, {tf.float32})
+        self.assertEqual(model.layers[1].compute_dtype, "float16")
+        x, y = testutil.data("sparse", 16)
+        before = full_weights(model)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=1, steps_per_epoch=8, verbose=0)
+        self.assertEqual(int(opt.iterations.numpy()), 4)
+        self.assertEqual(int(opt.nonfinite_dropped.numpy()), 0)
+        after = full_weights(model)
+        self.assertGreater(testutil.max_abs_diff(after, before), 0.0)
+        for w in after:
+            self.assertTrue(np.all(np.isfinite(w)))
+
+
+def trained(shards, steps=4):
+    """A two-table model fit for `steps` updates over `shards` shards."""
+    sync = strategy(shards)
+    with sync.scope():
+        model = two_tables_model()
+        opt = tf2sync.SyncOptimizer(OPTIMIZERS["momentum"]())
+        model.compile(optimizer=opt, loss=testutil.LOSS)
+    x, y = testutil.data("sparse", 16)
+    ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+    model.fit(ds, epochs=1, steps_per_epoch=2 * steps, verbose=0)
+    return model, opt
+
+
+class CheckpointTest(parameterized.TestCase):
+    @staticmethod
+    def _momenta(opt):
+        """Each model variable's momentum, its shards concatenated."""
+        inner = opt.inner_optimizer
+        out = []
+        for var in inner.variables():
+            if var is inner.iterations or var.shape.rank == 0:
+                continue
+            parts = getattr(var, "variables", [var])
+            out.append(np.concatenate([p.numpy() for p in parts], axis=0))
+        return out
+
+    @parameterized.named_parameters(
+        ("3_to_2", 3, 2), ("3_to_1", 3, 1), ("1_to_3", 1, 3), ("2_to_2", 2, 2)
+    )
+    def test_saved_with_s_shards_restores_with_s_prime(self, saved, restored):
+        model, opt = trained(saved)
+        path = tf.train.Checkpoint(model=model, optimizer=opt).save(
+            os.path.join(tempfile.mkdtemp(), "ckpt")
+        )
+        weights, momenta = full_weights(model), self._momenta(opt)
+        sync = strategy(restored)
+        with sync.scope():
+            model2 = two_tables_model(seed=5)
+            opt2 = tf2sync.SyncOptimizer(OPTIMIZERS["momentum"]())
+            model2.compile(optimizer=opt2, loss=testutil.LOSS)
+            opt2.build(model2.trainable_variables)
+        self.assertEqual(set(shard_counts(model2).values()), {restored})
+        tf.train.Checkpoint(model=model2, optimizer=opt2).restore(
+            path
+        ).assert_existing_objects_matched()
+        self.assertEqual(int(opt2.iterations.numpy()), 4)
+        self.assertEqual(
+            testutil.max_abs_diff(full_weights(model2), weights), 0
+        )
+        self.assertEqual(testutil.max_abs_diff(self._momenta(opt2), momenta), 0)
+
+    def test_trainer_resume_with_the_same_shards_is_exact(self):
+        x, y = testutil.data("sparse", 16)
+
+        def dataset_fn(_):
+            return tf.data.Dataset.from_tensors((x, y)).repeat()
+
+        def trainer(directory):
+            sync = strategy(3)
+            with sync.scope():
+                model = two_tables_model()
+                opt = tf2sync.SyncOptimizer(OPTIMIZERS["adam"]())
+            return tf2sync.Trainer(
+                strategy=sync,
+                model=model,
+                optimizer=opt,
+                loss_fn=testutil.mean_loss,
+                steps_per_loop=2,
+                checkpoint_dir=directory,
+                verbose=0,
+            )
+
+        whole = trainer(tempfile.mkdtemp())
+        whole.train(dataset_fn, epochs=2, steps_per_epoch=4)
+        directory = tempfile.mkdtemp()
+        trainer(directory).train(dataset_fn, epochs=1, steps_per_epoch=4)
+        resumed = trainer(directory)
+        resumed.train(dataset_fn, epochs=2, steps_per_epoch=4)
+        self.assertEqual(int(resumed.optimizer.iterations.numpy()), 4)
+        self.assertLess(
+            testutil.max_abs_diff(
+                full_weights(resumed.model), full_weights(whole.model)
+            ),
+            1e-6,
+        )
+
+    def test_a_table_of_another_vocabulary_size_is_named(self):
+        model, opt = trained(2, steps=1)
+        directory = tempfile.mkdtemp()
+        tf.train.CheckpointManager(
+            tf.train.Checkpoint(model=model, optimizer=opt), directory, 1
+        ).save()
+        sync = strategy(2)
+        with sync.scope():
+            other = two_tables_model(vocab_a=VOCAB_A + 10)
+            opt2 = tf2sync.SyncOptimizer(OPTIMIZERS["momentum"]())
+        before = full_weights(other)
+        trainer = tf2sync.Trainer(
+            strategy=sync,
+            model=other,
+            optimizer=opt2,
+            loss_fn=testutil.mean_loss,
+            steps_per_loop=2,
+            checkpoint_dir=directory,
+            verbose=0,
+        )
+        with self.assertRaisesRegex(
+            ValueError,
+            rf"checkpoint {directory}/ckpt-1 does not fit.*"
+            r"table_a/embeddings.*shape \[50, 4\], the model.s has shape "
+            r"\[60, 4\]",
+        ):
+            trainer.train(
+                lambda _: tf.data.Dataset.from_tensors(
+                    testutil.data("sparse", 16)
+                ).repeat(),
+                epochs=1,
+                steps_per_epoch=2,
+            )
+        self.assertEqual(testutil.max_abs_diff(full_weights(other), before), 0)
+        self.assertEqual(int(opt2.iterations.numpy()), 0)
+
+
+_LOAD = """
+import os, sys
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+import numpy as np
+import tensorflow as tf
+assert "tf2sync" not in sys.modules
+model = tf.keras.models.load_model(sys.argv[1], compile=False)
+x = np.load(sys.argv[2])
+np.save(sys.argv[3], model.predict(x, verbose=0))
+"""
+
+
+class ExportTest(absltest.TestCase):
+    def test_a_sharded_model_exports_and_loads_without_tf2sync(self):
+        model, _ = trained(3)
+        x, _ = testutil.data("sparse", 16)
+        local = two_tables_model(seed=3)
+        local.set_weights(full_weights(model))
+        expected = local.predict(x, verbose=0)
+        directory = tempfile.mkdtemp()
+        np.save(directory + "/x.npy", x)
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        for kind in ("model.keras", "savedmodel"):
+            path = os.path.join(directory, kind)
+            # The native format keeps the optimizer (its config names
+            # tf2sync): a plain process loads it with compile=False.
+            model.save(path)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    _LOAD,
+                    path,
+                    directory + "/x.npy",
+                    directory + "/out.npy",
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=120,
+            )
+            self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+            np.testing.assert_allclose(
+                np.load(directory + "/out.npy"), expected, rtol=1e-5, atol=1e-6
+            )
+
+
+if __name__ == "__main__":
+    absltest.main()
