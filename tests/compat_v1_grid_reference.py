@@ -21,7 +21,19 @@ variables. Each cell is a dict:
   model does; it is linear, so they are the constants of `gradients`.
   "constant" passes those constants to `apply_gradients` directly;
 * `phases`: lists of worker indices; the workers of one phase step
-  concurrently (one `session.run(train_op)` each).
+  concurrently (one `session.run(train_op)` each);
+* `partition` (optional, n >= 2): TF1 code with partitioned variables:
+  every variable of rank >= 1 (tables and matrices) is a
+  `PartitionedVariable` of `tf.compat.v1.get_variable(...,
+  partitioner=tf.compat.v1.fixed_size_partitioner(n))` (at most one part
+  per row, the first parts one row longer: "div" order), all variables
+  placed by `tf.compat.v1.train.replica_device_setter` (round robin over
+  the ps in creation order, part by part), the tables read with
+  `tf.compat.v1.nn.embedding_lookup(..., partition_strategy="div")` (an
+  `IndexedSlices` gradient per part, empty for a part no id falls in), the
+  partitions listed one by one in `compute_gradients`' `var_list`; a
+  partitioned variable's line holds its parts concatenated. `vocab`
+  (default VOCAB) sets the tables' rows, so parts can be uneven.
 
 Every cell of one invocation runs on one in-process cluster (127.0.0.1,
 free ports) of `max(workers)` workers and the cells' common `ps` count,
@@ -59,11 +71,16 @@ DENSE_MATRIX = (2, 3)
 PHASE_TIMEOUT = 60.0  # TF1's steps of one phase take well under a second
 
 
+def vocab(cell):
+    """The tables' rows."""
+    return cell.get("vocab", VOCAB)
+
+
 def variable_specs(cell):
     """`[(name, initial float32 array)]` after the global step, in order."""
     specs = []
     for i in range(cell["sparse"]):
-        rows = np.arange(VOCAB * DIM).reshape(VOCAB, DIM)
+        rows = np.arange(vocab(cell) * DIM).reshape(vocab(cell), DIM)
         specs.append((f"t{i}", (1.0 + i + 0.1 * rows).astype(np.float32)))
     for i in range(cell["dense"]):
         if i % 2:
@@ -74,7 +91,7 @@ def variable_specs(cell):
     return specs
 
 
-def sparse_ids(table, worker):
+def sparse_ids(table, worker, rows=VOCAB):
     """Row ids of `worker`'s push to table `table`: 3, sorted.
 
     Table 0 pushes row `worker` twice (as `tf.gather`'s gradient does for
@@ -88,9 +105,9 @@ def sparse_ids(table, worker):
     """
     if table == 0:
         return np.array([worker, worker, 3], np.int64)
-    rows = {(table + worker) % VOCAB, (table + 3) % VOCAB}
-    rows.add((table + 4 + worker) % VOCAB)
-    return np.array(sorted(rows), np.int64)
+    ids = {(table + worker) % rows, (table + 3) % rows}
+    ids.add((table + 4 + worker) % rows)
+    return np.array(sorted(ids), np.int64)
 
 
 def gradients(cell, worker):
@@ -100,7 +117,8 @@ def gradients(cell, worker):
         k = np.arange(3, dtype=np.float64).reshape(3, 1)
         c = np.arange(DIM, dtype=np.float64).reshape(1, DIM)
         values = 0.1 * (worker + 1) + 0.05 * i + 0.02 * k - 0.03 * c * worker
-        grads.append((sparse_ids(i, worker), values.astype(np.float32)))
+        ids = sparse_ids(i, worker, vocab(cell))
+        grads.append((ids, values.astype(np.float32)))
     for i in range(cell["dense"]):
         if i % 2:
             matrix = np.arange(6).reshape(DENSE_MATRIX)
@@ -116,14 +134,62 @@ def ps_task(index, num_ps):
     return index % num_ps
 
 
-def _constant_grad(g):
+def _constant_grad(g, rows):
     if isinstance(g, tuple):
         return tf.IndexedSlices(
             tf.constant(g[1]),
             tf.constant(g[0]),
-            tf.constant([VOCAB, DIM], tf.int64),
+            tf.constant([rows, DIM], tf.int64),
         )
     return tf.constant(g)
+
+
+def _part_initializer(full):
+    """An initializer of `full`'s rows of the part it is called for."""
+
+    def initializer(shape, dtype=None, partition_info=None):
+        offset = 0 if partition_info is None else partition_info.var_offset[0]
+        rows = full[offset : offset + tf.TensorShape(shape)[0]]
+        return tf.constant(rows, dtype=dtype)
+
+    return initializer
+
+
+def _partitioned_variables(cell, w, num_ps):
+    """The global step, `cell`'s variables and each one's parts.
+
+    TF1's partitioned way: a `PartitionedVariable` for each variable of
+    rank >= 1 (its parts: `list(var)`).
+    """
+    name = cell["name"]
+    partitioner = tf.compat.v1.fixed_size_partitioner(cell["partition"])
+    setter = tf.compat.v1.train.replica_device_setter(
+        ps_tasks=num_ps, worker_device=f"/job:worker/task:{w}"
+    )
+    with tf.compat.v1.device(setter):
+        global_step = tf.compat.v1.get_variable(
+            f"{name}_global_step",
+            initializer=tf.constant(0, tf.int64),
+            trainable=False,
+        )
+        variables, parts = [], []
+        for vname, init in variable_specs(cell):
+            if np.ndim(init) == 0:
+                var = tf.compat.v1.get_variable(
+                    f"{name}_{vname}", initializer=tf.constant(init)
+                )
+                parts.append([var])
+            else:
+                var = tf.compat.v1.get_variable(
+                    f"{name}_{vname}",
+                    shape=init.shape,
+                    dtype=tf.float32,
+                    initializer=_part_initializer(init),
+                    partitioner=partitioner,
+                )
+                parts.append(list(var))
+            variables.append(var)
+    return global_step, variables, parts
 
 
 def _build_worker(cell, w, num_ps):
@@ -132,16 +198,25 @@ def _build_worker(cell, w, num_ps):
     graph = tf.Graph()
     # Containers allow no "_".
     with graph.as_default(), graph.container(name.replace("_", "-")):
-        with tf.device(f"/job:ps/task:{ps_task(0, num_ps)}"):
-            global_step = tf.compat.v1.Variable(
-                0, name=f"{name}_global_step", trainable=False
+        if cell.get("partition"):
+            if cell.get("forward", "gather") != "gather":
+                raise ValueError("A partitioned cell's forward is `gather`.")
+            global_step, variables, parts = _partitioned_variables(
+                cell, w, num_ps
             )
-        variables = []
-        for k, (vname, init) in enumerate(variable_specs(cell), start=1):
-            with tf.device(f"/job:ps/task:{ps_task(k, num_ps)}"):
-                variables.append(
-                    tf.compat.v1.Variable(init, name=f"{name}_{vname}")
+        else:
+            with tf.device(f"/job:ps/task:{ps_task(0, num_ps)}"):
+                global_step = tf.compat.v1.Variable(
+                    0, name=f"{name}_global_step", trainable=False
                 )
+            variables = []
+            for k, (vname, init) in enumerate(variable_specs(cell), start=1):
+                with tf.device(f"/job:ps/task:{ps_task(k, num_ps)}"):
+                    variables.append(
+                        tf.compat.v1.Variable(init, name=f"{name}_{vname}")
+                    )
+            parts = [[v] for v in variables]
+        var_list = [p for v in parts for p in v]
         with tf.device(f"/job:worker/task:{w}"):
             constants = gradients(cell, w)
             sync = tf.compat.v1.train.SyncReplicasOptimizer(
@@ -154,23 +229,36 @@ def _build_worker(cell, w, num_ps):
                 # gradients are the constants (IndexedSlices for the tables).
                 loss = tf.add_n(
                     [
-                        tf.reduce_sum(tf.gather(v, g[0]) * g[1])
+                        tf.reduce_sum(_lookup(v, g[0], cell) * g[1])
                         if isinstance(g, tuple)
-                        else tf.reduce_sum(v * g)
+                        # A `PartitionedVariable` has no `*`: its parts
+                        # concatenated.
+                        else tf.reduce_sum(tf.convert_to_tensor(v) * g)
                         for v, g in zip(variables, constants)
                     ]
                 )
-                grads_and_vars = sync.compute_gradients(loss, variables)
+                grads_and_vars = sync.compute_gradients(loss, var_list)
             else:
                 grads_and_vars = zip(
-                    [_constant_grad(g) for g in constants], variables
+                    [_constant_grad(g, vocab(cell)) for g in constants],
+                    var_list,
                 )
             train_op = sync.apply_gradients(grads_and_vars, global_step)
             hook = sync.make_session_run_hook(
                 w == 0, num_tokens=cell["num_tokens"]
             )
         counts = [acc.num_accumulated() for acc, _ in sync._accumulator_list]
-    return graph, hook, train_op, global_step, variables, sync, counts
+        # A partitioned variable's value: its parts concatenated.
+        reads = [tf.concat(p, 0) if len(p) > 1 else p[0] for p in parts]
+    return graph, hook, train_op, global_step, reads, sync, counts
+
+
+def _lookup(table, ids, cell):
+    if cell.get("partition"):
+        return tf.compat.v1.nn.embedding_lookup(
+            table, ids, partition_strategy="div"
+        )
+    return tf.gather(table, ids)
 
 
 def _step(session, train_op, errors):

@@ -14,7 +14,11 @@ global step, every variable's values and every worker's local step. The
 gradients come from a linear forward pass through `tf.gather` (one cell
 passes them as constants): per-worker constants, so both sides compute
 the same numbers. Row ids are sorted and a row repeats within a push only
-where TF1's accumulator still averages per row (see `sparse_ids`).
+where TF1's accumulator still averages per row (see `sparse_ids`). Two
+cells partition their variables (issue 18): TF1's `PartitionedVariable`s
+of `fixed_size_partitioner` (2 and 3 parts over the 2 ps) against the
+shim on a strategy with `variable_partitioner`, each variable's line its
+shards concatenated.
 
 It exists because the shim hung on exactly these models (2 workers, 1 ps:
 three tables never finish their first round; two tables hung in the third
@@ -43,11 +47,12 @@ import tensorflow as tf
 import testutil
 from absl.testing import absltest
 
+from tf2sync._src import sharding
 from tf2sync._src import strategy as strategy_lib
 from tf2sync.compat import v1 as compat_v1
 
-# About 2 minutes on 2 cores; both methods share the subprocesses started
-# in setUpClass.
+# About 1.5 minutes on 2 cores (the two partitioned cells about 35 s of
+# it); both methods share the subprocesses started in setUpClass.
 pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -100,6 +105,61 @@ CELLS_3W2PS = [
         "name": "s4d4_backup",
         "sparse": 4,
         "dense": 4,
+        "workers": 3,
+        "ps": 2,
+        "rta": 2,
+        "total": 3,
+        "num_tokens": 3,
+        "phases": [
+            [0],
+            [2],
+            [1],
+            [0],
+            [1],
+            [2],
+            [0, 1],
+            [2],
+            [0, 1],
+            [2],
+            [1, 2],
+            [0],
+            [0, 2],
+            [1],
+            [0, 1],
+        ],
+        "final_step": 6,
+    },
+    # Partitioned variables (issue 18): TF1's `PartitionedVariable`s of
+    # `fixed_size_partitioner(n)` (tables and the [2, 3] matrix), read with
+    # `embedding_lookup(partition_strategy="div")`, against the shim on a
+    # strategy with `variable_partitioner`: each shard aggregated on its own
+    # ps. 7 rows: uneven parts, and table 0's ids (0 to 3) leave a part of
+    # it without a gradient in every push. The phases are s1d3_w3's and
+    # s4d4_backup's (the token protocol does not depend on the variables).
+    {  # 2 parts, TF1's partitioner given to the strategy, `minimize`
+        "name": "p2_s2d2_w3",
+        "partition": 2,
+        "partitioner": "tf1",
+        "shim_grads": "minimize",
+        "vocab": 7,
+        "sparse": 2,
+        "dense": 2,
+        "workers": 3,
+        "ps": 2,
+        "rta": 3,
+        "total": 3,
+        "num_tokens": 5,
+        "phases": [[0], [1], [2], [0], [1], [2], [0, 1]] + [[0, 1, 2]] * 4,
+        "final_step": 5,
+    },
+    {  # 3 parts, FixedShardsPartitioner, a backup worker, per-shard grads
+        "name": "p3_s2d2_backup",
+        "partition": 3,
+        "partitioner": "tf2",
+        "shim_grads": "tape",
+        "vocab": 7,
+        "sparse": 2,
+        "dense": 2,
         "workers": 3,
         "ps": 2,
         "rta": 2,
@@ -185,12 +245,33 @@ def _constants(cell):
     return stacked
 
 
+def _partitioner(cell):
+    """The strategy's `variable_partitioner` for `cell`, None unless sharded."""
+    if not cell.get("partition"):
+        return None
+    if cell["partitioner"] == "tf1":
+        return tf.compat.v1.fixed_size_partitioner(cell["partition"])
+    return tf.distribute.experimental.partitioners.FixedShardsPartitioner(
+        cell["partition"]
+    )
+
+
+def _value(var):
+    """A variable's value; a sharded one's shards concatenated."""
+    if sharding.is_sharded(var):
+        return np.concatenate([s.numpy() for s in var.variables])
+    return var.numpy()
+
+
 def _cell_steps(cell, cluster_workers, num_ps, expected_steps, report):
     """Runs `cell` on the shim; `report(event)` after each stage.
 
     Drives the shim as compat_v1_test's `_Harness` does: a traced step per
     worker index, `make_session_run_hook(True, num_tokens)` after tracing,
-    one `coordinator.join()` per phase.
+    one `coordinator.join()` per phase. A partitioned cell reads its
+    `ShardedVariable` tables with `tf.nn.embedding_lookup` and applies
+    through `minimize(loss, var_list=[the ShardedVariables, ...])` or a
+    tape over the shards, one list of gradients per `ShardedVariable`.
     """
     name, num_workers = cell["name"], cell["workers"]
     strategy = testutil.strategy(
@@ -199,6 +280,7 @@ def _cell_steps(cell, cluster_workers, num_ps, expected_steps, report):
         replicas_to_aggregate=cell["rta"],
         total_num_replicas=cell["total"],
         token_timeout=TOKEN_TIMEOUT,
+        variable_partitioner=_partitioner(cell),
     )
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():  # round robin over the ps, in creation order
@@ -214,13 +296,14 @@ def _cell_steps(cell, cluster_workers, num_ps, expected_steps, report):
             replicas_to_aggregate=cell["rta"],
             total_num_replicas=cell["total"],
         )
-    for k, var in enumerate([global_step, *variables]):
+    # A shard is placed as TF1's replica_device_setter placed a part.
+    for k, var in enumerate(sharding.shards([global_step, *variables])):
         task = reference.ps_task(k, num_ps)
         suffix = f"/job:ps/replica:0/task:{task}/device:CPU:0"
         if not var.device.endswith(suffix):
             raise AssertionError(f"{var.name} on {var.device}, not {suffix}")
     constants = _constants(cell)
-    dense_shape = [reference.VOCAB, reference.DIM]
+    dense_shape = [reference.vocab(cell), reference.DIM]
 
     @tf.function
     def step(w):
@@ -238,19 +321,33 @@ def _cell_steps(cell, cluster_workers, num_ps, expected_steps, report):
                     )
                 else:
                     grads.append(tf.gather(tf.constant(c), w))
-            if cell.get("forward", "gather") == "gather":
+            if cell.get("forward", "gather") != "gather":
+                return opt.apply_gradients(zip(grads, variables), global_step)
+
+            def loss():
                 # The forward pass reads every variable, as a model would;
                 # it is linear, so its gradients are the constants above.
-                with tf.GradientTape() as tape:
-                    loss = tf.add_n(
-                        [
-                            tf.reduce_sum(tf.gather(v, g.indices) * g.values)
-                            if isinstance(g, tf.IndexedSlices)
-                            else tf.reduce_sum(v * g)
-                            for v, g in zip(variables, grads)
-                        ]
-                    )
-                grads = tape.gradient(loss, variables)
+                return tf.add_n(
+                    [
+                        tf.reduce_sum(_lookup(v, g.indices) * g.values)
+                        if isinstance(g, tf.IndexedSlices)
+                        else tf.reduce_sum(v * g)
+                        for v, g in zip(variables, grads)
+                    ]
+                )
+
+            if cell.get("shim_grads") == "minimize":
+                return opt.minimize(loss, global_step, var_list=variables)
+            flat = sharding.shards(variables)
+            with tf.GradientTape() as tape:
+                value = loss()
+            flat_grads = iter(tape.gradient(value, flat))
+            grads = [
+                [next(flat_grads) for _ in v.variables]
+                if sharding.is_sharded(v)
+                else next(flat_grads)
+                for v in variables
+            ]
             return opt.apply_gradients(zip(grads, variables), global_step)
 
         with strategy_lib._WorkerScope(w):
@@ -268,11 +365,17 @@ def _cell_steps(cell, cluster_workers, num_ps, expected_steps, report):
         _settle(global_step, expected_steps[k] if expected_steps else None)
         line = [float(global_step.numpy())]
         for var in variables:
-            line += np.ravel(var.numpy()).astype(float).tolist()
+            line += np.ravel(_value(var)).astype(float).tolist()
         line += [float(s) for s in opt.local_steps.numpy()[:num_workers]]
         report(("phase", line))
     hook.end()
     report(("done", None))
+
+
+def _lookup(var, ids):
+    if sharding.is_sharded(var):
+        return tf.nn.embedding_lookup(var, ids)
+    return tf.gather(var, ids)
 
 
 def _settle(global_step, target):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf2sync._src import sharding
 from tf2sync._src import step_context
 from tf2sync._src import tf_internals
 
@@ -53,7 +54,9 @@ def variables(opt):
         found = tf_internals.tf1_optimizer_variables(opt)
         return sorted(found, key=lambda v: v.name)
     found = opt.variables
-    return found() if callable(found) else list(found)
+    # A tf_keras slot of a sharded variable is one `ShardedVariable`: listed
+    # shard by shard, as the model's weights are.
+    return sharding.shards(found() if callable(found) else list(found))
 
 
 def apply(opt, strategy, grads_and_vars, global_step, name):

@@ -17,6 +17,7 @@ from absl import logging
 
 from tf2sync._src import config as config_lib
 from tf2sync._src import keras_compat
+from tf2sync._src import sharding
 from tf2sync._src import strategy as strategy_lib
 from tf2sync._src import tf_internals
 from tf2sync._src.compat_v1 import engine
@@ -149,6 +150,11 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
         self._total_num_replicas = config.total_num_replicas
         self._tokens_per_step = config.tokens_per_step
         self._variable_averages = variable_averages
+        if variables_to_average is not None:
+            # A sharded variable's average is one shadow per shard.
+            variables_to_average = sharding.shards(
+                tf.nest.flatten(variables_to_average)
+            )
         self._variables_to_average = variables_to_average
         super().__init__(use_locking, name)
         if tf_internals.is_trackable(opt):
@@ -162,9 +168,19 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
 
     # Pass-throughs ---------------------------------------------------------
 
-    def compute_gradients(self, *args, **kwargs):
-        """Returns `opt.compute_gradients(...)` unchanged (TF1 optimizers)."""
-        return self._opt.compute_gradients(*args, **kwargs)
+    def compute_gradients(self, loss, var_list=None, *args, **kwargs):
+        """Returns `opt.compute_gradients(...)` (TF1 optimizers).
+
+        A `ShardedVariable` in `var_list` (a table created under the
+        strategy's `variable_partitioner`, TF1's `PartitionedVariable`)
+        stands for its shards: one `(gradient, shard)` pair each, in order,
+        as TF1 listed the partitions.
+        """
+        if var_list is not None:
+            flat = tf.nest.flatten(var_list)
+            if any(sharding.is_sharded(v) for v in flat):
+                var_list = sharding.shards(flat)
+        return self._opt.compute_gradients(loss, var_list, *args, **kwargs)
 
     def get_slot(self, *args, **kwargs):
         """Returns `opt.get_slot(...)`."""
@@ -251,7 +267,7 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
         del name
         if not grads_and_vars:
             raise ValueError("Must supply at least one variable")
-        grads_and_vars = list(grads_and_vars)
+        grads_and_vars = _per_shard(list(grads_and_vars))
         if not grads_and_vars:
             raise ValueError("No variables provided.")
         if all(g is None for g, _ in grads_and_vars):
@@ -341,6 +357,47 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
           An object with TF1's `begin`, `after_create_session` and `end`.
         """
         return hooks.SessionRunHook(self, is_chief, num_tokens)
+
+
+def _per_shard(grads_and_vars):
+    """`grads_and_vars` with each `ShardedVariable` paired shard by shard.
+
+    A shard is a variable of its own (on its own ps, accumulated and
+    applied there): a `ShardedVariable` is accepted with one gradient per
+    shard (a list or tuple, `None` for a shard without one) or with no
+    gradient, and refused with a gradient of the whole variable.
+    """
+    pairs = []
+    for grad, var in grads_and_vars:
+        if not sharding.is_sharded(var):
+            pairs.append((grad, var))
+            continue
+        parts = var.variables
+        if grad is None:
+            grad = [None] * len(parts)
+        if not isinstance(grad, (list, tuple)) or len(grad) != len(parts):
+            raise ValueError(
+                "SyncReplicasOptimizer.apply_gradients got the sharded "
+                f"variable {_sharded_name(parts)} ({len(parts)} shards) with "
+                f"{_describe(grad)}: pass one gradient per shard, paired "
+                "with the shards (`var.variables`), as "
+                "`compute_gradients(loss, var_list=[var, ...])` or "
+                "`tape.gradient(loss, var.variables)` give them."
+            )
+        pairs.extend(zip(grad, parts))
+    return pairs
+
+
+def _sharded_name(parts):
+    # A `ShardedVariable` is named "ShardedVariable"; its shards
+    # "<name>/part_<i>:0".
+    return parts[0].name.rsplit("/part_", 1)[0]
+
+
+def _describe(grad):
+    if isinstance(grad, (list, tuple)):
+        return f"{len(grad)} gradients"
+    return f"one gradient ({type(grad).__name__}) of the whole variable"
 
 
 class _PendingCount:
