@@ -6,6 +6,7 @@ import dataclasses
 import sys
 import time
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -33,15 +34,50 @@ class ChiefConfig:
     checkpoint_dir: str | None = None
     model_log_dir: str | None = None
     ps_restart_timeout: float = 300.0
+    min_shard_bytes: int | None = None
+    max_shards: int | None = None
+
+
+# MinSizePartitioner's own default shard size, used with max_shards alone.
+_DEFAULT_MIN_SHARD_BYTES = 256 << 10
+
+
+def variable_partitioner(config: ChiefConfig, num_ps: int):
+    """The partitioner `config` asks for, or None.
+
+    `MinSizePartitioner(min_shard_bytes, max_shards)`: `min_shard_bytes`
+    defaults to 256 KiB, `max_shards` to `num_ps`. Neither set: None.
+    """
+    args = _partitioner_args(config, num_ps)
+    if args is None:
+        return None
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(**args)
+
+
+def _partitioner_args(config: ChiefConfig, num_ps: int):
+    if config.min_shard_bytes is None and config.max_shards is None:
+        return None
+    return {
+        "min_shard_bytes": config.min_shard_bytes or _DEFAULT_MIN_SHARD_BYTES,
+        "max_shards": config.max_shards or num_ps,
+    }
 
 
 def inner_optimizer(job, config: ChiefConfig):
-    """Momentum SGD; one per variable group if the job defines groups."""
+    """The job's `build_optimizer(learning_rate, momentum)` if it has one,
+    else momentum SGD, one per variable group if the job defines groups."""
     import tf2sync
 
     def sgd(rate):
         return tf.keras.optimizers.SGD(rate, momentum=config.momentum)
 
+    if hasattr(job, "build_optimizer"):
+        optimizer = job.build_optimizer(config.learning_rate, config.momentum)
+        print(
+            f"tf2sync: the job's optimizer {type(optimizer).__name__} "
+            f"learning_rate={config.learning_rate:g}"
+        )
+        return optimizer
     if not hasattr(job, "optimizer_groups"):
         return sgd(config.learning_rate)
     groups = job.optimizer_groups(config.learning_rate)
@@ -77,6 +113,12 @@ def check_sync_optimizer(job, config: ChiefConfig) -> None:
     """Raises `ValueError` if `config.sync_optimizer` cannot train `job`."""
     if config.sync_optimizer != "tf1_shim":
         return
+    if hasattr(job, "build_optimizer"):
+        raise ValueError(
+            "--sync_optimizer=tf1_shim trains with TF1's MomentumOptimizer, "
+            f"but the job {job.__name__} defines build_optimizer(): use "
+            "--sync_optimizer=tf2sync."
+        )
     if hasattr(job, "optimizer_groups"):
         raise ValueError(
             "--sync_optimizer=tf1_shim trains one variable group, but the "
@@ -152,25 +194,32 @@ def _train_once(resolver, job, config: ChiefConfig):
         1, job.num_train_examples() // (config.batch_size * num_workers)
     )
     _print_plan(config, num_workers, len(spec["ps"]), rta, total, steps)
+    _print_shards(model)
     shim = config.sync_optimizer == "tf1_shim"
     seconds = _fit(model, job, config, steps, shim)
     if shim:  # stop the shim's token watchdog before the cluster goes
         optimizer.make_session_run_hook(is_chief=True).end()
-    accuracy = _evaluate(job, model)
+    metrics = _evaluate(job, model)
+    accuracy = metrics.get("accuracy", float("nan"))
     if shim:
-        return _shim_totals(model, accuracy, seconds)
-    return _sync_totals(optimizer, accuracy, seconds, num_workers)
+        totals = _shim_totals(model, accuracy, seconds)
+    else:
+        totals = _sync_totals(optimizer, accuracy, seconds, num_workers)
+    totals["eval"] = metrics
+    return totals
 
 
 def _strategy(resolver, config: ChiefConfig, rta: int, total: int):
     """The `tf2sync.SyncParameterServerStrategy` of the cluster."""
     import tf2sync
 
+    num_ps = len(resolver.cluster_spec().as_dict()["ps"])
     return tf2sync.SyncParameterServerStrategy(
         resolver,
         replicas_to_aggregate=rta,
         total_num_replicas=total,
         token_timeout=config.token_timeout,
+        variable_partitioner=variable_partitioner(config, num_ps),
     )
 
 
@@ -202,9 +251,80 @@ def _print_plan(config: ChiefConfig, num_workers, num_ps, rta, total, steps):
         f"replicas_to_aggregate={rta}, total_num_replicas={total}, "
         f"{steps} steps/epoch, {config.steps_per_execution} per function"
         f"{' (unrolled)' if config.unroll_steps else ' (tf_keras loop)'}, "
-        f"{config.mixed_precision}",
+        f"{config.mixed_precision}" + _partitioner_text(config, num_ps),
         flush=True,
     )
+
+
+def _partitioner_text(config: ChiefConfig, num_ps: int) -> str:
+    args = _partitioner_args(config, num_ps)
+    if args is None:
+        return ""
+    return (
+        ", MinSizePartitioner("
+        + ", ".join(f"{k}={v}" for k, v in args.items())
+        + ")"
+    )
+
+
+def _shard_of(variable):
+    """`(name, index)` of a shard `name/part_<index>:0`, else None."""
+    name, _, part = variable.name.rpartition("/part_")
+    index = part.split(":")[0]
+    return (name, int(index)) if name and index.isdigit() else None
+
+
+def _sharded(variables) -> dict:
+    """Each sharded variable's name: its shards in order (`(index, var)`)."""
+    sharded = {}
+    for variable in variables:
+        shard = _shard_of(variable)
+        if shard:
+            sharded.setdefault(shard[0], []).append((shard[1], variable))
+    return {name: sorted(parts) for name, parts in sharded.items()}
+
+
+def _unsharded_weights(model) -> list:
+    """`model.get_weights()`, each sharded variable's shards concatenated
+    in order (Keras lists the shards as weights: a model built without a
+    partitioner has one weight in their place)."""
+    values = model.get_weights()
+    weights, parts = [], {}
+    for variable, value in zip(model.weights, values):
+        shard = _shard_of(variable)
+        if shard is None:
+            weights.append(value)
+            continue
+        if shard[0] not in parts:
+            parts[shard[0]] = []
+            weights.append(parts[shard[0]])  # concatenated below
+        parts[shard[0]].append((shard[1], value))
+    return [
+        np.concatenate([v for _, v in sorted(w, key=lambda p: p[0])])
+        if isinstance(w, list)
+        else w
+        for w in weights
+    ]
+
+
+def _print_shards(model):
+    """Prints each sharded variable: one line, its shards and their ps."""
+    for name, parts in _sharded(model.variables).items():
+        rows = sum(v.shape[0] for _, v in parts)
+        shape = [rows, *parts[0][1].shape[1:]]
+        where = ", ".join(
+            f"part_{i} {v.shape.as_list()} on {_task_of(v.device)}"
+            for i, v in parts
+        )
+        print(
+            f"tf2sync: {name} {shape} in {len(parts)} shards: {where}",
+            flush=True,
+        )
+
+
+def _task_of(device: str) -> str:
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{spec.job}:{spec.task}"
 
 
 def _fit(model, job, config: ChiefConfig, steps: int, shim: bool) -> float:
@@ -257,13 +377,24 @@ def _callbacks(model, config: ChiefConfig, shim: bool):
 
 
 def _evaluate(job, model):
-    """`model`'s accuracy on the job's eval arrays, in a local copy."""
+    """`model`'s loss and metrics on the job's eval arrays, in a local copy.
+
+    Prints them on one line (`tf2sync: eval loss=... accuracy=...`).
+
+    Returns:
+      A dict of metric name to float, as `evaluate(return_dict=True)`.
+    """
     x, y = job.eval_arrays()
     local = job.build_model()
-    local.set_weights(model.get_weights())
+    local.set_weights(_unsharded_weights(model))
     local.compile(loss=job.LOSS, metrics=list(job.METRICS))
-    _, accuracy = local.evaluate(x, y, verbose=0)
-    return accuracy
+    values = local.evaluate(x, y, verbose=0, return_dict=True)
+    metrics = {k: float(v) for k, v in values.items()}
+    print(
+        "tf2sync: eval " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()),
+        flush=True,
+    )
+    return metrics
 
 
 def _shim_totals(model, accuracy, seconds: float):

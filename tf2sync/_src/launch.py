@@ -6,9 +6,13 @@ Modes, in order of precedence:
   (TF1 style): serve as that task until killed.
 * `--job_name=chief ...` with the same host flags: run the training job.
 * `TF_CONFIG` set (Kubernetes, Slurm): the role it names.
-* otherwise `--local_cluster=WORKERS,PS` (default `2,1`): start each ps and
-  worker as a subprocess on 127.0.0.1 and run the chief here; every process
-  is ended by PID at the end or on Ctrl-C.
+* otherwise `--local_cluster=WORKERS,PS` (default `2,1`; `--num_ps=N`
+  alone: `2,N`): start each ps and worker as a subprocess on 127.0.0.1 and
+  run the chief here; every process is ended by PID at the end or on Ctrl-C.
+
+`--max_shards` / `--min_shard_bytes` shard large variables over the ps
+(`MinSizePartitioner`); the chief prints each sharded variable's shards and
+the ps holding them.
 
 TF's gRPC servers listen on all interfaces without authentication: keep the
 cluster's ports on a private network. The launcher warns when a host list
@@ -51,6 +55,32 @@ _LOCAL_CLUSTER = flags.DEFINE_string(
     "WORKERS,PS: start this cluster as local subprocesses on 127.0.0.1 "
     "(used when neither --job_name nor TF_CONFIG is set).",
 )
+_NUM_PS = flags.DEFINE_integer(
+    "num_ps",
+    None,
+    "Number of ps tasks. Local mode: the PS of --local_cluster (given "
+    "alone, the workers stay at --local_cluster's default, 2; given with "
+    "--local_cluster, the two must agree). With --ps_hosts or TF_CONFIG: "
+    "checked against the ps tasks they name.",
+)
+_MIN_SHARD_BYTES = flags.DEFINE_integer(
+    "min_shard_bytes",
+    None,
+    "Shard variables of rank >= 1 along axis 0 with tf.distribute."
+    "experimental.partitioners.MinSizePartitioner(min_shard_bytes, "
+    "max_shards): as many shards as keep each at least this many bytes, at "
+    "most --max_shards (default: the number of ps), placed round robin "
+    "over the ps. Unset, and --max_shards unset: no partitioner (each "
+    "variable whole on one ps).",
+)
+_MAX_SHARDS = flags.DEFINE_integer(
+    "max_shards",
+    None,
+    "Shard variables into at most this many shards (see --min_shard_bytes; "
+    "given alone, shards are at least 256 KiB, MinSizePartitioner's "
+    "default: a large table splits into --max_shards, small kernels and "
+    "biases stay whole).",
+)
 _REPLICAS_TO_AGGREGATE = flags.DEFINE_integer(
     "replicas_to_aggregate",
     None,
@@ -64,7 +94,9 @@ _TOTAL_NUM_REPLICAS = flags.DEFINE_integer(
 _JOB_MODULE = flags.DEFINE_string(
     "job_module",
     "tf2sync._src.jobs.digits",
-    "Module with build_model, train_dataset, eval_arrays, LOSS, METRICS.",
+    "Module with build_model, train_dataset, eval_arrays, LOSS, METRICS "
+    "(see jobs/digits.py); it may define flags of its own and "
+    "FLAG_DEFAULTS for the launcher's (jobs/clicks.py).",
 )
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Batch per replica.")
 _EPOCHS = flags.DEFINE_integer("epochs", 10, "Epochs to train.")
@@ -178,6 +210,46 @@ flags.register_validator(
     lambda v: v >= 0,
     message="--task_index must be >= 0.",
 )
+
+
+def _check_sharding_flags():
+    """Refuses a non-positive --num_ps, --min_shard_bytes or --max_shards.
+
+    absl's usage error, exit code 2, before any task starts.
+    """
+    for holder in (_NUM_PS, _MIN_SHARD_BYTES, _MAX_SHARDS):
+        if holder.value is not None and holder.value <= 0:
+            raise app.UsageError(
+                f"--{holder.name} must be a positive int. Received: "
+                f"--{holder.name}={holder.value}",
+                exitcode=2,
+            )
+
+
+def _check_num_ps(num_ps):
+    """Refuses --num_ps if it disagrees with the cluster's `num_ps`."""
+    if _NUM_PS.value is not None and _NUM_PS.value != num_ps:
+        raise app.UsageError(
+            f"--num_ps={_NUM_PS.value} but the cluster names {num_ps} ps "
+            "task(s).",
+            exitcode=2,
+        )
+
+
+def _local_workers_and_ps():
+    """--local_cluster's WORKERS,PS, with --num_ps's PS (see its help)."""
+    workers, ps = _parse_local_cluster(_LOCAL_CLUSTER.value)
+    num_ps = _NUM_PS.value
+    if num_ps is None or num_ps == ps:
+        return workers, ps
+    if flags.FLAGS["local_cluster"].present:
+        raise app.UsageError(
+            f"--num_ps={num_ps} conflicts with --local_cluster="
+            f"{_LOCAL_CLUSTER.value} ({ps} ps): give one of them, or make "
+            "them agree.",
+            exitcode=2,
+        )
+    return workers, num_ps
 
 
 def _parse_local_cluster(value):
@@ -296,6 +368,8 @@ def _chief_config():
         checkpoint_dir=_CHECKPOINT_DIR.value,
         model_log_dir=_MODEL_LOG_DIR.value,
         ps_restart_timeout=_PS_RESTART_TIMEOUT.value,
+        min_shard_bytes=_MIN_SHARD_BYTES.value,
+        max_shards=_MAX_SHARDS.value,
     )
 
 
@@ -314,6 +388,7 @@ def main(argv):
         import tensorflow as tf
 
         tf.get_logger().setLevel("WARNING")
+    _check_sharding_flags()
     code = _main()
     # Remote resources cannot be deleted once the tasks are gone; skip the
     # interpreter's teardown, which would try (and log every failure).
@@ -325,8 +400,14 @@ def main(argv):
 def _main():
     job_name = _JOB_NAME.value
     if job_name in ("ps", "worker"):
-        _serve(_spec_from_flags(), job_name, _TASK_INDEX.value)
+        spec = _spec_from_flags()
+        _check_num_ps(len(spec["ps"]))
+        _serve(spec, job_name, _TASK_INDEX.value)
         return 0
+    if job_name == "chief":
+        _check_num_ps(len(_spec_from_flags()["ps"]))
+    elif job_name is None and not os.environ.get("TF_CONFIG"):
+        _local_workers_and_ps()  # a usage error before anything imports
     job = _load_job()
     if job_name == "chief":
         import tensorflow as tf
@@ -347,7 +428,7 @@ def _main():
         return _main_tf_config(job)
     from tf2sync._src import processes
 
-    workers, ps = _parse_local_cluster(_LOCAL_CLUSTER.value)
+    workers, ps = _local_workers_and_ps()
     cluster = processes.LocalProcessCluster(
         workers, ps, log_dir=_TASK_LOG_DIR.value
     )
@@ -434,6 +515,7 @@ def _main_tf_config(job):
             f"{spec}"
         )
     _warn_public([h for hosts in spec.values() for h in hosts])
+    _check_num_ps(len(spec["ps"]))
     if task_type in ("ps", "worker"):
         _serve(spec, task_type, index)
         return 0
@@ -449,6 +531,34 @@ def _main_tf_config(job):
     )
 
 
+def _import_job_before_flags(argv):
+    """Imports --job_module before absl parses `argv`, if it can.
+
+    A job module may so define absl flags of its own (parsed with the
+    launcher's), and `FLAG_DEFAULTS`, a dict of launcher flag name to
+    default for that job (the command line still wins). A module that does
+    not import is left to `_load_job`, which reports it after parsing.
+    """
+    name = _JOB_MODULE.default
+    args = argv[1:]
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        if arg.startswith("--job_module="):
+            name = arg.split("=", 1)[1]
+        elif arg == "--job_module" and i + 1 < len(args):
+            name = args[i + 1]
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        job = importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - reported by _load_job after parsing
+        return
+    for flag_name, default in getattr(job, "FLAG_DEFAULTS", {}).items():
+        flags.FLAGS.set_default(flag_name, default)
+
+
 def run():
     """Console-script entry point."""
+    _import_job_before_flags(sys.argv)
     app.run(main)
