@@ -38,7 +38,11 @@ SCENARIOS = (
     "model_size",
     "memory",
     "accuracy",
+    "sharding",
 )
+# The harness's default: all but `sharding` (w4's 2 x 512 MB of tables and
+# momentum on 2 ps; about 4 min more on 2 cores: --scenarios=...,sharding).
+DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s != "sharding")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # A baseline tree's own worker (--baseline_tree): it imports that tree's
 # tf2sync and its own benchmarks/ modules, and speaks the same protocol.
@@ -143,6 +147,7 @@ class Bench:
         cluster_spec=None,
         optimizer=None,
         tree=None,
+        ps=1,
     ):
         """A pss_worker.py child; from the checkout `tree` if given (its own
         script, with PYTHONPATH=tree so that it imports that tree's
@@ -152,6 +157,8 @@ class Bench:
             f"--local_workers={local_workers}",
             f"--optimizer={optimizer or self.s.optimizer}",
         ]
+        if ps != 1:
+            args.append(f"--ps={ps}")
         if cluster_spec:
             args.append("--cluster_spec=" + json.dumps(cluster_spec))
         if tree is None:
@@ -161,13 +168,15 @@ class Bench:
         argv = [sys.executable, os.path.join(tree, BASELINE_WORKER), *args]
         return self._start(name, argv, env=env, tree=tree)
 
-    def start_tf1(self, workload, workers):
+    def start_tf1(self, workload, workers, ps=1, shards=1, name=None):
         return self._start(
-            f"tf1_sync_{workload}",
+            name or f"tf1_sync_{workload}",
             self._python(
                 "tf1_sync_worker.py",
                 f"--workers={workers}",
                 f"--workload={workload}",
+                f"--ps={ps}",
+                f"--shards={shards}",
             ),
         )
 
@@ -194,14 +203,15 @@ class Bench:
             for i in range(workers)
         ]
 
-    def start_tasks(self, name, workers, env=None):
-        """ps and worker tasks (`python -m tf2sync`), and their spec."""
-        ports = procs.pick_free_ports(workers + 2)
+    def start_tasks(self, name, workers, env=None, ps=1):
+        """ps and worker tasks (`python -m tf2sync`), and their spec (the ps
+        tasks first in the list returned)."""
+        ports = procs.pick_free_ports(workers + 1 + ps)
         addresses = [f"{procs.LOOPBACK}:{p}" for p in ports]
         spec = {
             "chief": addresses[:1],
-            "worker": addresses[1:-1],
-            "ps": addresses[-1:],
+            "worker": addresses[1 : 1 + workers],
+            "ps": addresses[1 + workers :],
         }
         hosts = [
             "--ps_hosts=" + ",".join(spec["ps"]),
@@ -221,7 +231,7 @@ class Bench:
                 env={"CUDA_VISIBLE_DEVICES": "", **(env or {})},
                 protocol=False,
             )
-            for job, count in (("ps", 1), ("worker", workers))
+            for job, count in (("ps", ps), ("worker", workers))
             for i in range(count)
         ]
         return spec, tasks
@@ -263,8 +273,11 @@ class Bench:
                 except procs.ChildError as e:
                     self.fail(endpoints, endpoint, e, base)
 
-    def setup(self, endpoints, base):
+    def setup(self, endpoints, base, extra=None):
+        """Sets each endpoint up; returns {name: its answer} of those that
+        answered."""
         self.wait_ready(endpoints, base)
+        answers = {}
         for endpoint in endpoints:
             if endpoint.failed:
                 continue
@@ -274,15 +287,18 @@ class Bench:
             except procs.ChildError as e:
                 self.fail(endpoints, endpoint, e, base)
                 continue
+            answers[endpoint.name] = answer
             self.sink.write(
                 {
                     **base,
                     "system": endpoint.name,
+                    **(extra or {}).get(endpoint.name, {}),
                     "event": "setup",
                     "setup_s": round(time.perf_counter() - start, 2),
                     **(answer if isinstance(answer, dict) else {}),
                 }
             )
+        return answers
 
     def interleave(self, endpoints, functions, base, extra, window=False):
         """Runs the repeats, rotating the order; one record per run."""

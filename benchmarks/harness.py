@@ -31,7 +31,16 @@ vs stock PSS), `scaling` (tf2sync step cost with 1..4 workers on w1),
 `model_size` (tf2sync and stock PSS on w1 with 64..4096 hidden units),
 `memory` (RSS of a subprocess ps on w3 with 1..4 workers, and with a
 table 4 x as large), `accuracy`
-(time to 95 % held-out accuracy on digits, tf2sync vs stock PSS).
+(time to 95 % held-out accuracy on digits, tf2sync vs stock PSS), and
+`sharding`, not in the default run: w4 (embedding 2,000,000 x 32, 256 MB
+and as much again in momentum; --sharding_rows) partitioned over 2 ps
+(`FixedShardsPartitioner(2)`; TF1: `fixed_size_partitioner(2)`):
+tf2sync_fit, tf2sync_loop, pss_async, pss_async_unrolled and tf1_sync side
+by side, each ps's state beside its shards' bytes, and tf2sync on w3 in 2
+shards on 2 ps against w3 on 1 ps. It adds about 4 min on 2 cores (248 s
+measured, 3 repeats of 20 functions) and ~1.8 GB of RSS per ps (every PSS
+system's copy of w4 lives on the same 2 ps):
+--scenarios=main,...,sharding, or --scenarios=sharding alone.
 
 Before and after (--baseline_tree=PATH, e.g. a git worktree of the
 previous commit): every tf2sync system of the main scenario also runs from
@@ -48,6 +57,8 @@ PNG plot under --output_dir (default docs/).
   python benchmarks/harness.py          # the full run: ~8-13 min, 2 cores
   python benchmarks/harness.py --smoke --output_dir=/tmp/b   # ~15 s
   python benchmarks/harness.py --from_jsonl=docs/benchmarks.jsonl
+  python benchmarks/harness.py --scenarios=sharding --repeats=3
+      --functions=w4:20 --output_dir=/tmp/bs    # w4 alone: ~4 min
   python benchmarks/harness.py --scenarios=main --output_dir=/tmp/ba
       --systems=local,tf2sync_fit,tf2sync_loop,tf1_sync
       --baseline_tree=/tmp/base    # before and after (one command line)
@@ -69,6 +80,7 @@ import report
 import scenarios
 from absl import app
 from absl import flags
+from driver import DEFAULT_SCENARIOS
 from driver import DEFAULT_SYSTEMS
 from driver import SCENARIOS
 from driver import SYSTEMS
@@ -76,18 +88,24 @@ from driver import SYSTEMS
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _DOCS = os.path.join(os.path.dirname(_HERE), "docs")
 
-_WORKLOADS = flags.DEFINE_list("workloads", ["w1", "w2", "w3"], "Workloads.")
+_WORKLOADS = flags.DEFINE_list(
+    "workloads",
+    ["w1", "w2", "w3"],
+    "Workloads of the main scenario (w4 runs in --scenarios=sharding).",
+)
 _SYSTEMS = flags.DEFINE_list(
     "systems",
     list(DEFAULT_SYSTEMS),
     f"Systems of the main scenario, of {', '.join(SYSTEMS)}.",
 )
 _SCENARIOS = flags.DEFINE_list(
-    "scenarios", list(SCENARIOS), f"Of {', '.join(SCENARIOS)}."
+    "scenarios",
+    list(DEFAULT_SCENARIOS),
+    f"Of {', '.join(SCENARIOS)} (`sharding` is not in the default).",
 )
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Interleaved repeats.")
-_DEFAULT_FUNCTIONS = {"w1": 60, "w2": 16, "w3": 30}
-_WORKLOADS_ALL = tuple(_DEFAULT_FUNCTIONS)
+_DEFAULT_FUNCTIONS = {"w1": 60, "w2": 16, "w3": 30, "w4": 30}
+_WORKLOADS_ALL = ("w1", "w2", "w3")  # of the main scenario
 _FUNCTIONS = flags.DEFINE_list(
     "functions",
     [],
@@ -132,6 +150,11 @@ _ACCURACY_TARGET = flags.DEFINE_float(
 _ACCURACY_EPOCHS = flags.DEFINE_integer(
     "accuracy_epochs", 12, "Epochs per time-to-accuracy run."
 )
+_SHARDING_ROWS = flags.DEFINE_integer(
+    "sharding_rows",
+    2_000_000,
+    "Embedding rows of w4 (the sharding scenario; --smoke: 2,000).",
+)
 _TIMEOUT = flags.DEFINE_float(
     "timeout", 300.0, "Seconds one command to a subprocess may take."
 )
@@ -169,6 +192,7 @@ for _name in (
     "steps_per_function",
     "straggler_functions",
     "memory_repeats",
+    "sharding_rows",
 ):
     flags.register_validator(
         _name, lambda v: v > 0, message=f"--{_name} must be positive."
@@ -230,7 +254,14 @@ class Settings:
     memory_repeats: int
     accuracy_target: float
     accuracy_epochs: int
+    sharding_rows: int = 2_000_000
     baseline_tree: str | None = None
+
+    @property
+    def sharding_workload(self) -> str:
+        """w4, or w4_r<ROWS> with another table size (workloads.py)."""
+        rows = self.sharding_rows
+        return "w4" if rows == 2_000_000 else f"w4_r{rows}"
 
 
 def _settings() -> Settings:
@@ -242,7 +273,7 @@ def _settings() -> Settings:
         return holder.value
 
     functions = {
-        w: 3 if smoke else _DEFAULT_FUNCTIONS[w] for w in _WORKLOADS_ALL
+        w: 3 if smoke else count for w, count in _DEFAULT_FUNCTIONS.items()
     }
     for item in _FUNCTIONS.value:
         name, _, count = item.rpartition(":")
@@ -268,6 +299,7 @@ def _settings() -> Settings:
         memory_repeats=given(_MEMORY_REPEATS, 1),
         accuracy_target=_ACCURACY_TARGET.value,
         accuracy_epochs=given(_ACCURACY_EPOCHS, 2),
+        sharding_rows=given(_SHARDING_ROWS, 2_000),
         baseline_tree=_BASELINE_TREE.value
         and os.path.abspath(_BASELINE_TREE.value),
     )
@@ -343,6 +375,8 @@ def main(argv):
             scenarios.scenario_memory(bench)
         if "accuracy" in settings.scenarios:
             scenarios.scenario_accuracy(bench)
+        if "sharding" in settings.scenarios:
+            scenarios.scenario_sharding(bench)
     finally:
         registry.stop_all()
         sink.write(

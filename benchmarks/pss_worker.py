@@ -9,8 +9,11 @@ cluster (`--workers=0`): connecting to one moves the default device.
 Commands (see `procs.serve`):
 
 * `setup(key, system, workload, k, **options)` builds and warms up a
-  runner (options: `rta`, `total` and `delay_factor` for loops; `epochs`
-  and `target` for workload `digits`, see accuracy.py);
+  runner (options: `rta`, `total` and `delay_factor` for loops; `shards`
+  for loops and `fit`: variables partitioned with
+  `FixedShardsPartitioner(shards)`; `epochs` and `target` for workload
+  `digits`, see accuracy.py); it answers the bytes of the runner's
+  variables and slots on each ps (`ps_bytes`);
 * `run(key, functions, window=False)` times it;
 * `compute(workload)` times one local step at the per-worker batch.
 
@@ -44,6 +47,7 @@ _WORKERS = flags.DEFINE_integer(
 _LOCAL_WORKERS = flags.DEFINE_integer(
     "local_workers", 2, "With --workers=0: `local` trains on this many x B."
 )
+_PS = flags.DEFINE_integer("ps", 1, "ps tasks of the in-process cluster.")
 _CLUSTER_SPEC = flags.DEFINE_string(
     "cluster_spec",
     None,
@@ -72,15 +76,21 @@ class _Server:
             )
         return {"seconds": self.compute_s[workload]}
 
-    def _strategy(self, sync, rta=None, total=None):
+    def _strategy(self, sync, rta=None, total=None, shards=None):
+        partitioner = None
+        if shards:
+            partitioner = tf.distribute.experimental.partitioners
+            partitioner = partitioner.FixedShardsPartitioner(shards)
         if not sync:
             return tf.distribute.experimental.ParameterServerStrategy(
-                self.resolver
+                self.resolver, variable_partitioner=partitioner
             )
+        extra = {"variable_partitioner": partitioner} if shards else {}
         return tf2sync.SyncParameterServerStrategy(
             self.resolver,
             replicas_to_aggregate=rta or self.workers,
             total_num_replicas=total or self.workers,
+            **extra,
         )
 
     def setup(self, key, system, workload, k, **options):
@@ -98,7 +108,7 @@ class _Server:
                 target=options["target"],
             )
         elif "_fit" in system:
-            strategy = self._strategy(sync)
+            strategy = self._strategy(sync, shards=options.get("shards"))
             runner = systems.FitRunner(
                 strategy,
                 workload,
@@ -114,7 +124,10 @@ class _Server:
                 delay_s = options["delay_factor"] * compute
                 answer["compute_s"] = compute
             strategy = self._strategy(
-                sync, options.get("rta"), options.get("total")
+                sync,
+                options.get("rta"),
+                options.get("total"),
+                options.get("shards"),
             )
             runner = systems.LoopRunner(
                 strategy,
@@ -127,6 +140,9 @@ class _Server:
             )
             answer["delay_s"] = delay_s
         self.runners[key] = runner
+        model = getattr(runner, "model", None)
+        if model is not None and system != "local":
+            answer["ps_bytes"] = systems.state_bytes(model, runner.opt)
         return answer
 
     def run(self, key, functions, window=False):
@@ -149,7 +165,7 @@ def main(argv):
         workers = len(spec["worker"])
     elif _WORKERS.value:
         workers = _WORKERS.value
-        resolver = tf2sync.testing.local_cluster(workers, 1)
+        resolver = tf2sync.testing.local_cluster(workers, _PS.value)
     else:  # `local` only: a cluster would move its variables off localhost
         workers, resolver = _LOCAL_WORKERS.value, None
     server = _Server(resolver, workers, _OPTIMIZER.value)

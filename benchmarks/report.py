@@ -41,6 +41,15 @@ STRAGGLER_KEEP = 0.9
 # ps state growth per added worker, as a share of the embedding's size: a
 # dense per-worker buffer of the table would add 1.0.
 MEMORY_PER_WORKER = 0.25
+# Issue 18 (the sharding scenario, w4 on 2 ps): (system, baseline, at
+# least), then w3 in 2 shards on 2 ps / on 1 ps more than this.
+SHARDING_BARS = (
+    ("tf2sync_fit", "tf1_sync", 1.0),
+    ("tf2sync_loop", "tf1_sync", 1.0),
+    ("tf2sync_fit", "pss_async_unrolled", 0.9),
+    ("tf2sync_loop", "pss_async_unrolled", 0.9),
+)
+SHARDED_W3_ABOVE = 1.0
 
 
 def machine() -> dict:
@@ -149,6 +158,68 @@ def targets(records) -> list[dict]:
             ".1f",
         )
     )
+    return rows + sharding_targets(records)
+
+
+def sharding_targets(records) -> list[dict]:
+    """The sharding scenario's targets (none when it did not run)."""
+    if not any(r.get("scenario") == "sharding" for r in records):
+        return []
+    found = sections.sharding_rates(records)
+    rows = []
+    for system, base, least in SHARDING_BARS:
+        value = ratio(
+            median(found.get(("w4", system, 2))),
+            median(found.get(("w4", base, 2))),
+        )
+        rows.append(
+            _row(
+                f"w4 (2 shards, 2 ps) {system} / {base}",
+                value,
+                f">= {least:.2f}",
+                lambda v, least=least: v >= least,
+            )
+        )
+    factor = sections.SHARD_STATE_FACTOR
+    memory = [
+        m
+        for m in sections.sharding_memory(records)
+        if m["workload"] == "w4" and m["system"].startswith("tf2sync")
+    ]
+    for m in memory:
+        bound = m["bound_mb"]
+        rows.append(
+            _row(
+                f"ps memory, w4: {m['system']} state on ps {m['task']} (MB)",
+                m["state_mb"],
+                f"<= {fmt(bound, '.1f')} ({factor} x its shards' "
+                f"{m['bytes_mb']:.1f} MB + the fixed "
+                f"{fmt(m['fixed_mb'], '.1f')} MB)",
+                lambda v, bound=bound: bound is not None and v <= bound,
+                ".1f",
+            )
+        )
+    if not memory:
+        rows.append(
+            _row(
+                "ps memory, w4: tf2sync state per ps",
+                None,
+                f"<= {factor} x its shards' bytes + the fixed cost",
+                lambda v: False,
+            )
+        )
+    value = ratio(
+        median(found.get(("w3", "tf2sync_loop", 2))),
+        median(found.get(("w3", "tf2sync_loop", 1))),
+    )
+    rows.append(
+        _row(
+            "w3 tf2sync_loop, 2 shards on 2 ps / on 1 ps",
+            value,
+            f"> {SHARDED_W3_ABOVE:.2f}",
+            lambda v: v > SHARDED_W3_ABOVE,
+        )
+    )
     return rows
 
 
@@ -251,6 +322,7 @@ def render(records, image_note) -> str:
         ("Model size", sections.model_size_section(records)),
         ("ps memory", sections.memory_section(records)),
         ("Time to accuracy", sections.accuracy_section(records)),
+        ("Sharding (w4 on 2 ps)", sections.sharding_section(records)),
     ):
         if section:
             lines += [f"## {title}", "", *section]

@@ -10,6 +10,11 @@
   hidden units, 2 workers.
 * `memory`: the RSS of a ps running as its own process (w3), 1..4 workers.
 * `accuracy`: time to a held-out accuracy on digits, tf2sync vs stock PSS.
+* `sharding`: w4 (a 2,000,000 x 32 embedding) partitioned over 2 ps:
+  tf2sync (`fit`, loop), stock PSS (loop, unrolled) and TF1's
+  `SyncReplicasOptimizer` (`fixed_size_partitioner`), each ps's state beside
+  the bytes of its shards; and tf2sync on w3 in 2 shards on 2 ps against w3
+  on 1 ps. Not in the default run (see `driver.DEFAULT_SCENARIOS`).
 """
 
 from __future__ import annotations
@@ -319,3 +324,187 @@ def scenario_accuracy(bench, workers=2):
         bench.interleave(endpoints, 0, base, {})
     finally:
         bench.close(endpoints)
+
+
+SHARDS = 2  # the sharding scenario's shards and ps tasks
+# The sharding scenario's timed cells, (system, workload kind, ps tasks).
+SHARDING_CELLS = (
+    ("tf2sync_fit", "w4", SHARDS),
+    ("tf2sync_loop", "w4", SHARDS),
+    ("pss_async", "w4", SHARDS),
+    ("pss_async_unrolled", "w4", SHARDS),
+    ("tf1_sync", "w4", SHARDS),
+    ("tf2sync_loop", "w3", SHARDS),
+    ("tf2sync_loop", "w3", 1),
+)
+# Its memory cells, on a fresh cluster of subprocess tasks, in the order set
+# up: first a small model, the fixed cost of a system on a ps.
+SHARDING_MEMORY_CELLS = (
+    ("tf2sync_loop", "w1"),
+    ("tf2sync_fit", "w4"),
+    ("tf2sync_loop", "w4"),
+    ("pss_async", "w4"),
+    ("pss_async_unrolled", "w4"),
+)
+
+
+def _sharding_cell(s, system, kind, ps):
+    """(endpoint name, setup args, record fields) of a sharding cell."""
+    name = f"{system}_{kind}_{ps}ps"
+    args = {"system": system, "workload": s.sharding_workload, "k": s.k}
+    if kind != "w4":
+        args["workload"] = kind
+    if ps > 1:
+        args["shards"] = ps
+    fields = {
+        "config": system,
+        "workload": kind,
+        "ps": ps,
+        "shards": ps,
+        "rows": _ROWS.get(kind, s.sharding_rows),
+    }
+    return name, args, fields
+
+
+def scenario_sharding(bench, workers=2):
+    """w4 partitioned over 2 ps, side by side; w3 on 2 ps against 1 ps.
+
+    Memory first, as the memory scenario measures it: a fresh cluster of
+    subprocess tasks (`python -m tf2sync`, 2 ps with `_MEMORY_ENV`, 2
+    workers, a chief) where the systems are set up one at a time, each
+    ps's anonymous RSS settled before and after (a system's state on a ps
+    is that difference), then each tf2sync system's per-step peak over one
+    short run. The small model set up first gives the fixed cost of a
+    system on a ps (and takes the ps's own one-time costs).
+
+    Then throughput, as the main scenario measures it: in-process clusters
+    (2 workers + 2 ps for w4 and w3 in 2 shards, 2 workers + 1 ps for w3
+    whole, TF1's own of 2 workers + 2 ps), every system set up, then the
+    repeats interleaved.
+    """
+    s = bench.s
+    functions = s.functions["w4"]
+    base = {
+        "scenario": "sharding",
+        "workers": workers,
+        "steps_per_function": s.k,
+        "functions": functions,
+    }
+    _sharding_memory(bench, base, workers)
+    chief2 = bench.start_pss("sharding_2ps", workers, ps=SHARDS)
+    chief1 = bench.start_pss("sharding_1ps", workers)
+    tf1 = bench.start_tf1(
+        s.sharding_workload,
+        workers,
+        ps=SHARDS,
+        shards=SHARDS,
+        name="sharding_tf1_sync",
+    )
+    endpoints, extra = [], {}
+    for system, kind, ps in SHARDING_CELLS:
+        name, args, extra[name] = _sharding_cell(s, system, kind, ps)
+        if system == "tf1_sync":
+            endpoint = Endpoint(name, "tf1", [tf1], {"steps": 2 * s.k}, workers)
+        else:
+            chief = chief2 if ps == SHARDS else chief1
+            endpoint = Endpoint(name, "pss", [chief], args, workers)
+        endpoints.append(endpoint)
+    try:
+        bench.setup(endpoints, base, extra)
+        bench.interleave(endpoints, functions, base, extra)
+    finally:
+        bench.close(endpoints)
+
+
+def _sharding_memory(bench, base, workers):
+    s = bench.s
+    spec, tasks = bench.start_tasks(
+        "sharding_memory", workers, env=_MEMORY_ENV, ps=SHARDS
+    )
+    chief = bench.start_pss("sharding_memory", workers, cluster_spec=spec)
+    ps_pids = [t.pid for t in tasks[:SHARDS]]
+    endpoints, extra = [], {}
+    for system, kind in SHARDING_MEMORY_CELLS:
+        name, args, extra[name] = _sharding_cell(s, system, kind, SHARDS)
+        endpoints.append(Endpoint(name, "pss", [chief], args, workers))
+    memory = {**base, "memory_cluster": True}
+    try:
+        bench.wait_ready(endpoints, memory)
+        empty = _settled_all(ps_pids)
+        for endpoint in endpoints:
+            if endpoint.failed:
+                continue
+            before = _settled_all(ps_pids)
+            got = bench.setup([endpoint], memory, extra).get(endpoint.name)
+            if got is None:
+                continue
+            after = _settled_all(ps_pids)
+            by_ps = got.get("ps_bytes", {})
+            bench.sink.write(
+                {
+                    **memory,
+                    **extra[endpoint.name],
+                    "system": endpoint.name,
+                    "event": "ps_memory",
+                    "ps_tasks": [
+                        {
+                            "task": i,
+                            "pid": pid,
+                            "bytes": by_ps.get(str(i), 0),
+                            "rss_empty_kb": empty[i]["VmRSS"],
+                            "anon_empty_kb": empty[i].get("RssAnon"),
+                            "anon_before_kb": before[i].get("RssAnon"),
+                            "anon_after_kb": after[i].get("RssAnon"),
+                            "rss_after_kb": after[i]["VmRSS"],
+                        }
+                        for i, pid in enumerate(ps_pids)
+                    ],
+                }
+            )
+        for endpoint in endpoints:  # each tf2sync system's per-step peak
+            if endpoint.failed or not endpoint.name.startswith("tf2sync"):
+                continue
+            if extra[endpoint.name]["workload"] != "w4":
+                continue
+            rss = [procs.memory_kb(pid)["VmRSS"] for pid in ps_pids]
+            reset = [procs.reset_peak(pid) for pid in ps_pids]
+            endpoint.run(
+                min(base["functions"], MEMORY_FUNCTIONS), s.k, s.timeout
+            )
+            hwm = [procs.memory_kb(pid)["VmHWM"] for pid in ps_pids]
+            bench.sink.write(
+                {
+                    **memory,
+                    **extra[endpoint.name],
+                    "system": endpoint.name,
+                    "event": "ps_peak",
+                    "peak_kb": [h - r for h, r in zip(hwm, rss)],
+                    "peak_reset": all(reset),
+                }
+            )
+    except (procs.ChildError, OSError) as e:
+        bench.sink.write(
+            {**memory, "system": "sharding_memory", "error": str(e)}
+        )
+    finally:
+        bench.registry.stop([chief, *tasks])
+
+
+# Embedding rows of the sharding scenario's fixed workloads (w4's: the flag).
+_ROWS = {"w1": 0, "w3": 100_000}
+
+
+def _settled_all(pids, seconds=1.0, slack_kb=64, most=15.0):
+    """[memory_kb(pid)] once every RssAnon moved < slack_kb for `seconds`."""
+    deadline = time.monotonic() + most
+    last = [procs.memory_kb(pid) for pid in pids]
+    while time.monotonic() < deadline:
+        time.sleep(seconds)
+        now = [procs.memory_kb(pid) for pid in pids]
+        if all(
+            abs(a.get("RssAnon", 0) - b.get("RssAnon", 0)) < slack_kb
+            for a, b in zip(now, last)
+        ):
+            return now
+        last = now
+    return last

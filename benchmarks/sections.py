@@ -577,3 +577,244 @@ def accuracy_section(records) -> list[str]:
         *table(header, rows),
         "",
     ]
+
+
+# The sharding scenario (scenarios.scenario_sharding): w4's systems, the
+# reference of its throughput targets, and its ps memory bound.
+SHARDING_SYSTEMS = (
+    "tf2sync_fit",
+    "tf2sync_loop",
+    "pss_async",
+    "pss_async_unrolled",
+    "tf1_sync",
+)
+SHARD_STATE_FACTOR = 1.25  # a ps's state <= this x its shards' bytes + fixed
+
+
+def sharding_rates(records, field="examples_per_sec"):
+    """{(workload, config, ps tasks): [`field` of each timed run]}."""
+    found = {}
+    for r in runs(records, "sharding"):
+        if r.get(field) is not None:
+            key = (r["workload"], r["config"], r["ps"])
+            found.setdefault(key, []).append(r[field])
+    return found
+
+
+def sharding_memory(records):
+    """One dict per (system, ps task) set up on the 2-ps cluster, in the
+    order set up: `bytes` of its variables and slots there, its `state`
+    (MB: anonymous RSS after its setup minus before), `fixed` (the state of
+    the small model set up first on that ps) and the bound
+    SHARD_STATE_FACTOR x bytes + fixed."""
+    found = [
+        r
+        for r in records
+        if r.get("scenario") == "sharding" and r.get("event") == "ps_memory"
+    ]
+    peaks = {
+        (r["config"], r["workload"], i): kb / 1e3
+        for r in records
+        if r.get("scenario") == "sharding" and r.get("event") == "ps_peak"
+        for i, kb in enumerate(r["peak_kb"])
+    }
+    fixed = {}
+    rows = []
+    for r in found:
+        for t in r["ps_tasks"]:
+            state = (t["anon_after_kb"] - t["anon_before_kb"]) / 1e3
+            row = {
+                "system": r["config"],
+                "workload": r["workload"],
+                "rows": r.get("rows"),
+                "task": t["task"],
+                "bytes_mb": t["bytes"] / 1e6,
+                "state_mb": state,
+                "empty_rss_mb": t["rss_empty_kb"] / 1e3,
+                "rss_after_mb": t["rss_after_kb"] / 1e3,
+                "peak_mb": peaks.get((r["config"], r["workload"], t["task"])),
+            }
+            if r["workload"] == "w1":
+                fixed[t["task"]] = state
+            rows.append(row)
+    for row in rows:
+        row["fixed_mb"] = fixed.get(row["task"])
+        row["bound_mb"] = (
+            None
+            if row["fixed_mb"] is None or row["workload"] == "w1"
+            else SHARD_STATE_FACTOR * row["bytes_mb"] + row["fixed_mb"]
+        )
+    return rows
+
+
+def sharding_section(records) -> list[str]:
+    found = sharding_rates(records)
+    failed = [
+        r for r in records if "error" in r and r.get("scenario") == "sharding"
+    ]
+    if not found and not failed:
+        return []
+    cpu = sharding_rates(records, "cpu_us_per_example")
+    rows_w4 = next(
+        (
+            r.get("rows")
+            for r in runs(records, "sharding")
+            if r["workload"] == "w4"
+        ),
+        None,
+    )
+
+    def mid(config, workload="w4", ps=2):
+        return median(found.get((workload, config, ps)))
+
+    lines = [
+        f"w4: Embedding {fmt(rows_w4, ',')} x 32 over 20 ids per example, "
+        "mean, dense 64 relu, dense 1 (mean squared error), batch 128 per "
+        "worker, legacy momentum SGD; 2 workers and 2 ps, every variable of "
+        "rank >= 1 in 2 shards, one per ps (`tf.distribute.experimental."
+        "partitioners.FixedShardsPartitioner(2)`, the same for stock PSS; "
+        "TF1: a partitioned variable, `tf.compat.v1.fixed_size_partitioner"
+        '(2)`, read by `tf.nn.embedding_lookup` (its "div" layout), '
+        "momentum `MomentumOptimizer`). Throughput as in the main scenario: "
+        "in-process clusters on 127.0.0.1 (the PSS systems all on one of 2 "
+        "workers + 2 ps, TF1 on its own of the same shape), every system "
+        "set up once, the repeats interleaved. Memory on a separate, fresh "
+        "cluster of subprocess tasks (below).",
+        "",
+    ]
+    tf1, unrolled, stock = (
+        mid("tf1_sync"),
+        mid("pss_async_unrolled"),
+        mid("pss_async"),
+    )
+    rows = []
+    for config in SHARDING_SYSTEMS:
+        values = found.get(("w4", config, 2))
+        if not values:
+            continue
+        m = median(values)
+        rows.append(
+            [
+                f"`{config}`",
+                fmt(m),
+                f"{min(values):,.0f} - {max(values):,.0f}",
+                len(values),
+                fmt(ratio(m, tf1), ".2f"),
+                fmt(ratio(m, unrolled), ".2f"),
+                fmt(ratio(m, stock), ".2f"),
+                fmt(median(cpu.get(("w4", config, 2))), ".1f"),
+            ]
+        )
+    for r in failed:
+        rows.append([f"`{r['system']}`", "error", r["error"][:160], 0])
+    header = ["system", "median ex/s", "min - max", "runs", "vs tf1_sync"]
+    header += ["vs pss_async_unrolled", "vs pss_async", "CPU us / ex"]
+    lines += ["### w4 throughput (2 workers + 2 ps)", ""]
+    lines += table(header, rows) + [""]
+
+    one = mid("tf2sync_loop", "w3", 1)
+    rows = []
+    for ps in (1, 2):
+        values = found.get(("w3", "tf2sync_loop", ps))
+        if not values:
+            continue
+        m = median(values)
+        rows.append(
+            [
+                ps,
+                "none" if ps == 1 else f"{ps} shards",
+                fmt(m),
+                f"{min(values):,.0f} - {max(values):,.0f}",
+                len(values),
+                fmt(ratio(m, one), ".2f"),
+                fmt(median(cpu.get(("w3", "tf2sync_loop", ps))), ".1f"),
+            ]
+        )
+    if rows:
+        lines += [
+            "### w3 on 2 ps against 1 ps (tf2sync_loop)",
+            "",
+            "w3 (embedding 100,000 x 32) in 2 shards on the 2-ps cluster "
+            "above (every variable of rank >= 1 in 2 shards), and "
+            "unpartitioned on an in-process cluster of 1 ps and 2 workers, "
+            "in the same rounds.",
+            "",
+        ]
+        header = ["ps", "partitioned", "median ex/s", "min - max", "runs"]
+        header += ["vs 1 ps", "CPU us / ex"]
+        lines += table(header, rows) + [""]
+
+    memory = sharding_memory(records)
+    if memory:
+        lines += [
+            "### ps memory under sharding",
+            "",
+            "A fresh cluster of subprocess tasks (`python -m tf2sync`: 2 "
+            "ps, 2 workers; the chief another process) where each PSS "
+            "system is set up (model, slots, traced functions, warm-up) "
+            "one at a time, all on the same 2 ps; the ps tasks run "
+            "with the memory scenario's settings (TF_ENABLE_ONEDNN_OPTS=0, "
+            "glibc mmapping buffers from 128 kB up). *shards' bytes*: the "
+            "bytes of the system's variables and optimizer slots on that ps "
+            "(read from the variables' devices by the chief). *state*: that "
+            "ps's anonymous RSS once settled after the system's setup minus "
+            "the same before it. *fixed*: the state of the small model "
+            "(tf2sync_loop on w1, 2 shards) set up first on the fresh ps: "
+            "a system's fixed cost on a ps, which here also takes the ps's "
+            "own one-time costs (so it bounds a later system's fixed cost "
+            "from above). *bound*: "
+            f"{SHARD_STATE_FACTOR} x shards' bytes + fixed. *empty ps RSS*: "
+            "the ps's RSS before the chief connected (TensorFlow's code and "
+            "runtime). *per-step peak*: after every setup, each tf2sync "
+            "system on w4 runs 10 functions alone: that ps's peak RSS "
+            "during the run minus its RSS before (peak reset through "
+            "/proc/PID/clear_refs).",
+            "",
+        ]
+        rows = [
+            [
+                m["system"],
+                m["workload"] + (" (fixed)" if m["workload"] == "w1" else ""),
+                m["task"],
+                fmt(m["empty_rss_mb"], ".1f"),
+                fmt(m["bytes_mb"], ".1f"),
+                fmt(m["state_mb"], ".1f"),
+                fmt(
+                    None
+                    if m["workload"] == "w1"
+                    else ratio(m["state_mb"], m["bytes_mb"]),
+                    ".2f",
+                ),
+                fmt(m["bound_mb"], ".1f"),
+                fmt(m["peak_mb"], ".1f"),
+                fmt(m["rss_after_mb"], ".1f"),
+            ]
+            for m in memory
+        ]
+        header = ["system", "workload", "ps", "empty ps RSS MB"]
+        header += ["shards' bytes MB", "state MB", "state / bytes"]
+        header += [f"bound MB ({SHARD_STATE_FACTOR} x bytes + fixed)"]
+        header += ["per-step peak MB", "ps RSS after setup MB"]
+        lines += table(header, rows) + [""]
+    tf1_setup = next(
+        (
+            r
+            for r in records
+            if r.get("scenario") == "sharding"
+            and r.get("event") == "setup"
+            and r.get("config") == "tf1_sync"
+        ),
+        None,
+    )
+    if tf1_setup and tf1_setup.get("ps_bytes"):
+        placed = tf1_setup["ps_bytes"]
+        lines += [
+            "TF1's variables (with slots and the SyncReplicasOptimizer's "
+            "step variables) by ps: "
+            + ", ".join(
+                f"ps {k}: {v / 1e6:,.1f} MB" for k, v in sorted(placed.items())
+            )
+            + ".",
+            "",
+        ]
+    return lines

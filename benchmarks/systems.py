@@ -27,6 +27,7 @@ import workloads  # noqa: E402
 
 import tf2sync  # noqa: E402
 from tf2sync._src import loops  # noqa: E402
+from tf2sync._src import sharding  # noqa: E402
 from tf2sync._src.callbacks import sync_totals  # noqa: E402
 
 WARMUP_FUNCTIONS = 4
@@ -41,6 +42,24 @@ def _result(examples, seconds, **extra) -> dict:
         "examples_per_sec": round(examples / seconds, 1) if seconds else 0.0,
         **extra,
     }
+
+
+def ps_bytes(variables) -> dict:
+    """{ps task index (str): bytes} of `variables` (model weights, slots),
+    by the device each lives on (a `ShardedVariable`'s shards each on
+    theirs); what lives elsewhere counts under "other"."""
+    found = {}
+    for v in sharding.shards(variables):
+        spec = tf.DeviceSpec.from_string(v.device or "")
+        key = str(spec.task) if spec.job == "ps" else "other"
+        size = v.shape.num_elements() * v.dtype.size
+        found[key] = found.get(key, 0) + size
+    return found
+
+
+def state_bytes(model, opt) -> dict:
+    """`ps_bytes` of the model's and the optimizer's variables."""
+    return ps_bytes(list(model.variables) + list(opt.variables()))
 
 
 def make_optimizer(model, kind, sync):
@@ -58,7 +77,7 @@ class LocalRunner:
     """One process, the global batch (workers x B), K steps per function."""
 
     def __init__(self, workload, workers, k, kind):
-        self.batch = workloads.BATCH[workload] * workers
+        self.batch = workloads.batch(workload) * workers
         self.k = k
         model = workloads.build_model(workload)
         opt = make_optimizer(model, kind, sync=False)
@@ -112,7 +131,7 @@ class LoopRunner:
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
             strategy
         )
-        self.batch = workloads.BATCH[workload]
+        self.batch = workloads.batch(workload)
         self.k = k
         self.sync = sync
         loss = workloads.loss_fn(workload)
@@ -120,6 +139,7 @@ class LoopRunner:
             model = workloads.build_model(workload)
             opt = make_optimizer(model, kind, sync)
         self.opt = opt
+        self.model = model
         batch = self.batch
         self.iterator = iter(
             self.coordinator.create_per_worker_dataset(
@@ -272,7 +292,7 @@ class FitRunner:
     """
 
     def __init__(self, strategy, workload, k, kind, *, sync, keras_loop=False):
-        self.batch = workloads.BATCH[workload]
+        self.batch = workloads.batch(workload)
         self.k = k
         self.sync = sync
         with strategy.scope():

@@ -5,8 +5,13 @@ What a TF1 user runs instead of tf2sync: between-graph replication with
 the number of workers) over a `MomentumOptimizer`, one
 `MonitoredTrainingSession` per worker (here one thread each; worker 0 is
 the chief, with `make_session_run_hook(is_chief, num_tokens=N)`), against an
-in-process cluster of N workers and 1 ps on 127.0.0.1, as TF's own
-`sync_replicas_optimizer_test.py` wires it. Eager execution is disabled,
+in-process cluster of N workers and 1 ps (`--ps`) on 127.0.0.1, as TF's own
+`sync_replicas_optimizer_test.py` wires it. With `--shards=S` (a sparse
+workload: w3, w4), the embedding is a partitioned variable,
+`tf.compat.v1.fixed_size_partitioner(S)`, read by `tf.nn.embedding_lookup`
+(TF2's: "div", the partitioner's layout), its parts placed round robin over the
+ps tasks by `replica_device_setter` and initialized there by their own
+initializer ops. Eager execution is disabled,
 hence a process of its own. Examples count aggregated examples: N x B per
 global step. Commands (see `procs.serve`):
 
@@ -36,26 +41,30 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 _WORKERS = flags.DEFINE_integer("workers", 2, "Worker tasks.")
-_WORKLOAD = flags.DEFINE_enum(
-    "workload", "w1", list(workloads.WORKLOADS), "Model."
+_WORKLOAD = flags.DEFINE_string(
+    "workload", "w1", f"Model: {', '.join(workloads.WORKLOADS)} or w4_r<ROWS>."
+)
+_PS = flags.DEFINE_integer("ps", 1, "ps tasks.")
+_SHARDS = flags.DEFINE_integer(
+    "shards", 1, "Partitions of the embedding (sparse workloads)."
 )
 
 v1 = tf.compat.v1
 
 
-def _start_cluster(num_workers):
-    ports = procs.pick_free_ports(num_workers + 1)
+def _start_cluster(num_workers, num_ps=1):
+    ports = procs.pick_free_ports(num_workers + num_ps)
     spec = tf.train.ClusterSpec(
         {
             "worker": [f"127.0.0.1:{p}" for p in ports[:num_workers]],
-            "ps": [f"127.0.0.1:{ports[-1]}"],
+            "ps": [f"127.0.0.1:{p}" for p in ports[num_workers:]],
         }
     )
     # Fewer inter-op threads than workers + 1 hang on a 2-core machine.
     config = v1.ConfigProto(inter_op_parallelism_threads=num_workers + 2)
     servers = [
         tf.distribute.Server(spec, job_name=job, task_index=i, config=config)
-        for job, count in (("worker", num_workers), ("ps", 1))
+        for job, count in (("worker", num_workers), ("ps", num_ps))
         for i in range(count)
     ]
     return spec, servers[:num_workers], config
@@ -64,7 +73,9 @@ def _start_cluster(num_workers):
 class _Replica:
     """One worker's graph, train op and monitored session."""
 
-    def __init__(self, spec, index, num_workers, workload, master, config):
+    def __init__(
+        self, spec, index, num_workers, workload, master, config, shards=1
+    ):
         self.graph = tf.Graph()
         with self.graph.as_default():
             setter = v1.train.replica_device_setter(
@@ -72,8 +83,11 @@ class _Replica:
             )
             with v1.device(setter):
                 self.global_step = v1.train.get_or_create_global_step()
-                model = workloads.build_model(workload)
-                data = workloads.dataset(workload, workloads.BATCH[workload])
+                if shards > 1:
+                    model = _partitioned_model(workload, shards)
+                else:
+                    model = workloads.build_model(workload)
+                data = workloads.dataset(workload, workloads.batch(workload))
                 x, y = v1.data.make_one_shot_iterator(data).get_next()
                 loss = workloads.loss_fn(workload)(y, model(x))
                 opt = v1.train.SyncReplicasOptimizer(
@@ -84,6 +98,7 @@ class _Replica:
                     total_num_replicas=num_workers,
                 )
                 self.train_op = opt.minimize(loss, global_step=self.global_step)
+                self.ps_bytes = _ps_bytes(v1.global_variables())
                 hook = opt.make_session_run_hook(
                     index == 0, num_tokens=num_workers
                 )
@@ -104,6 +119,37 @@ class _Replica:
         return int(self.reader.run(self.global_step))
 
 
+def _partitioned_model(workload, shards):
+    """The sparse workload with its embedding partitioned in `shards`:
+    `(ids) -> predictions`, TF1 style (`get_variable`, a partitioner)."""
+    table = v1.get_variable(
+        "embedding",
+        shape=[workloads.vocab(workload), workloads.EMBED_DIM],
+        initializer=v1.random_uniform_initializer(-0.05, 0.05),
+        partitioner=v1.fixed_size_partitioner(shards),
+    )
+    hidden = tf.keras.layers.Dense(64, activation="relu")
+    out = tf.keras.layers.Dense(1)
+
+    def model(ids):
+        rows = tf.nn.embedding_lookup(table, ids)  # "div", as partitioned
+        return out(hidden(tf.reduce_mean(rows, axis=1)))
+
+    return model
+
+
+def _ps_bytes(variables):
+    """{ps task (str): bytes} of the graph's variables (slots and
+    accumulators' variables included; the accumulators are not)."""
+    found = {}
+    for v in variables:
+        spec = tf.DeviceSpec.from_string(v.device or "")
+        key = str(spec.task) if spec.job == "ps" else "other"
+        size = v.shape.num_elements() * v.dtype.size
+        found[key] = found.get(key, 0) + size
+    return found
+
+
 class _Server:
     """Worker threads that train nonstop while the gate is open.
 
@@ -114,7 +160,9 @@ class _Server:
     a worker blocked on a token goes on at the next run.
     """
 
-    def __init__(self, num_workers, workload):
+    def __init__(self, num_workers, workload, num_ps=1, shards=1):
+        self.num_ps = num_ps
+        self.shards = shards
         self.num_workers = num_workers
         self.workload = workload
         self.replicas = None
@@ -125,9 +173,17 @@ class _Server:
         self.hit = None
 
     def setup(self, steps):
-        spec, servers, config = _start_cluster(self.num_workers)
+        spec, servers, config = _start_cluster(self.num_workers, self.num_ps)
         self.replicas = [  # the chief first: the others wait for its init
-            _Replica(spec, i, self.num_workers, self.workload, s.target, config)
+            _Replica(
+                spec,
+                i,
+                self.num_workers,
+                self.workload,
+                s.target,
+                config,
+                self.shards,
+            )
             for i, s in enumerate(servers)
         ]
         for replica in self.replicas:
@@ -135,7 +191,10 @@ class _Server:
                 target=self._train, args=(replica,), daemon=True
             ).start()
         self._until(steps)
-        return {"global_step": self.replicas[0].read_step()}
+        return {
+            "global_step": self.replicas[0].read_step(),
+            "ps_bytes": self.replicas[0].ps_bytes,
+        }
 
     def _train(self, replica):
         try:
@@ -167,7 +226,7 @@ class _Server:
 
     def run(self, steps):
         applied, seconds = self._until(steps)
-        examples = applied * self.num_workers * workloads.BATCH[self.workload]
+        examples = applied * self.num_workers * workloads.batch(self.workload)
         return {
             "examples": examples,
             "seconds": round(seconds, 4),
@@ -180,7 +239,7 @@ def main(argv):
     del argv
     v1.disable_eager_execution()
     tf.get_logger().setLevel("ERROR")
-    server = _Server(_WORKERS.value, _WORKLOAD.value)
+    server = _Server(_WORKERS.value, _WORKLOAD.value, _PS.value, _SHARDS.value)
     procs.serve({"setup": server.setup, "run": server.run})
 
 

@@ -5,7 +5,15 @@
   average pool, dense 10), batch 64 per worker.
 * w3: sparse: Embedding 100,000 x 32 over 20 ids per example, mean,
   dense 64 relu, dense 1 (mean squared error), batch 128 per worker.
+* w4: sparse and large: Embedding 2,000,000 x 32 (256 MB of float32, as
+  much again in momentum), otherwise w3, batch 128 per worker; run with its
+  variables partitioned over 2 ps (the sharding scenario). `w4_r<ROWS>` is
+  w4 with ROWS embedding rows (the smoke run's tiny table).
 * w1_h<H>: w1 with H hidden units (the model-size sweep; w1 is w1_h64).
+
+Embedding tables are initialized by a callable (tf_keras's `uniform`, which
+takes `partition_shape`): under a partitioner each shard's initial value is
+made on its own ps, not sent from the chief as one 256 MB constant.
 
 Data are synthetic with a fixed seed (8 batches, repeated); the optimizer
 is momentum SGD (0.01, momentum 0.9).
@@ -21,12 +29,12 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-WORKLOADS = ("w1", "w2", "w3")
+WORKLOADS = ("w1", "w2", "w3", "w4")
 WIDTHS = (64, 256, 1024, 4096)  # hidden units of the model-size sweep
 VOCAB = 100_000
-# w3's embedding rows; "w3_x4" is w3 with a table 4 x as large (the memory
-# scenario's control: what grows with the table).
-VOCABS = {"w3": VOCAB, "w3_x4": 4 * VOCAB}
+# Embedding rows: w3's; "w3_x4", w3 with a table 4 x as large (the memory
+# scenario's control: what grows with the table); w4's.
+VOCABS = {"w3": VOCAB, "w3_x4": 4 * VOCAB, "w4": 2_000_000}
 BATCH = {"w1": 32, "w2": 64} | {w: 128 for w in VOCABS}
 BATCH |= {f"w1_h{h}": 32 for h in WIDTHS}
 EMBED_DIM = 32
@@ -34,6 +42,21 @@ IDS_PER_EXAMPLE = 20
 LEARNING_RATE = 0.01
 MOMENTUM = 0.9
 SEED = 0
+
+
+def vocab(workload: str) -> int | None:
+    """Embedding rows of a sparse workload (w3, w3_x4, w4, w4_r<ROWS>),
+    else None."""
+    if workload in VOCABS:
+        return VOCABS[workload]
+    if workload.startswith("w4_r") and workload[4:].isdigit():
+        return int(workload[4:])
+    return None
+
+
+def batch(workload: str) -> int:
+    """The per-worker batch of `workload`."""
+    return 128 if vocab(workload) else BATCH[workload]
 
 
 def build_model(workload: str) -> tf.keras.Model:
@@ -60,11 +83,11 @@ def build_model(workload: str) -> tf.keras.Model:
                 layers.Dense(10),
             ]
         )
-    if workload in VOCABS:
+    if vocab(workload):
         return tf.keras.Sequential(
             [
                 layers.Embedding(
-                    VOCABS[workload], EMBED_DIM, input_length=IDS_PER_EXAMPLE
+                    vocab(workload), EMBED_DIM, input_length=IDS_PER_EXAMPLE
                 ),
                 layers.GlobalAveragePooling1D(),
                 layers.Dense(64, activation="relu"),
@@ -82,7 +105,7 @@ def make_data(workload: str, n: int, seed: int = SEED):
     if workload == "w2":
         x = rng.randn(n, 32, 32, 3).astype("float32")
         return x, rng.randint(0, 10, n)
-    x = rng.randint(0, VOCABS[workload], size=(n, IDS_PER_EXAMPLE))
+    x = rng.randint(0, vocab(workload), size=(n, IDS_PER_EXAMPLE))
     return x, rng.randn(n, 1).astype("float32")
 
 
@@ -94,7 +117,7 @@ def dataset(workload: str, batch: int, seed: int = SEED) -> tf.data.Dataset:
 
 def loss_fn(workload: str):
     """`loss(y, logits)`: the mean over the batch (for custom loops)."""
-    if workload in VOCABS:
+    if vocab(workload):
         return lambda y, p: tf.reduce_mean(tf.square(y - p))
     return lambda y, p: tf.reduce_mean(
         tf.keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True)
@@ -103,7 +126,7 @@ def loss_fn(workload: str):
 
 def keras_loss(workload: str):
     """The loss for `model.compile`."""
-    if workload in VOCABS:
+    if vocab(workload):
         return "mse"
     return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -127,7 +150,7 @@ def compute_seconds(workload: str, kind: str = "legacy", steps: int = 20):
     model = build_model(workload)
     opt = optimizer(kind)
     loss = loss_fn(workload)
-    it = iter(dataset(workload, BATCH[workload]))
+    it = iter(dataset(workload, batch(workload)))
 
     @tf.function
     def step():

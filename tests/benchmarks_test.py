@@ -166,6 +166,82 @@ class HarnessSmokeTest(absltest.TestCase):
         for line in rows:
             self.assertEndsWith(line, "| 2 |")
 
+    def test_sharding_scenario_runs_w4_on_two_ps_beside_each_ps_state(self):
+        """--scenarios=sharding with a 2,000-row w4 (the smoke default)."""
+        _, out, records = self._smoke("--scenarios=sharding")
+        runs = [
+            r
+            for r in records
+            if r.get("scenario") == "sharding" and "examples_per_sec" in r
+        ]
+        self.assertCountEqual(
+            {(r["workload"], r["config"], r["ps"]) for r in runs},
+            [
+                ("w4", system, 2)
+                for system in (
+                    "tf2sync_fit",
+                    "tf2sync_loop",
+                    "pss_async",
+                    "pss_async_unrolled",
+                    "tf1_sync",
+                )
+            ]
+            + [("w3", "tf2sync_loop", 2), ("w3", "tf2sync_loop", 1)],
+        )
+        for r in runs:
+            self.assertGreater(r["examples"], 0, r)
+        # Each system on the 2-ps cluster, the small model first: its
+        # variables and slots on both ps, each ps's RSS before and after.
+        memory = [r for r in records if r.get("event") == "ps_memory"]
+        self.assertEqual(
+            [(r["config"], r["workload"]) for r in memory],
+            [
+                ("tf2sync_loop", "w1"),
+                ("tf2sync_fit", "w4"),
+                ("tf2sync_loop", "w4"),
+                ("pss_async", "w4"),
+                ("pss_async_unrolled", "w4"),
+            ],
+        )
+        table = 1_000 * 32 * 4  # a shard of the 2,000-row table
+        peaks = [r for r in records if r.get("event") == "ps_peak"]
+        self.assertEqual(
+            [r["config"] for r in peaks], ["tf2sync_fit", "tf2sync_loop"]
+        )
+        for r in memory:
+            self.assertEqual([t["task"] for t in r["ps_tasks"]], [0, 1])
+            for t in r["ps_tasks"]:
+                self.assertGreater(t["anon_after_kb"], 0, r)
+                if r["workload"] == "w4":  # its shard and momentum, or more
+                    self.assertGreaterEqual(t["bytes"], 2 * table, r)
+        tf1 = next(
+            r
+            for r in records
+            if r.get("event") == "setup" and r.get("config") == "tf1_sync"
+        )
+        self.assertGreaterEqual(tf1["ps_bytes"]["0"], 2 * table)
+        self.assertGreaterEqual(tf1["ps_bytes"]["1"], 2 * table)
+        with open(os.path.join(out, "benchmarks.md")) as f:
+            markdown = f.read()
+        self.assertIn("## Sharding (w4 on 2 ps)", markdown)
+        self.assertIn("w4: Embedding 2,000 x 32", markdown)
+        self.assertIn("| shards' bytes MB | state MB |", markdown)
+        self.assertIn(
+            "| w4 (2 shards, 2 ps) tf2sync_loop / tf1_sync |", markdown
+        )
+        self.assertIn(
+            "| w3 tf2sync_loop, 2 shards on 2 ps / on 1 ps |", markdown
+        )
+        self.assertRegex(
+            markdown, r"\| ps memory, w4: tf2sync_fit state on ps 1 \(MB\) \| "
+        )
+        done = [r for r in records if r.get("event") == "processes"]
+        # The memory cluster (2 ps, 2 workers, a chief), then 2 PSS chiefs
+        # (in-process clusters) and TF1's process.
+        self.assertLen(done[0]["started"], 8)
+        self.assertEqual(done[0]["alive"], [])
+        _wait_gone(self, done[0]["started"], seconds=1.0)
+
     def test_model_size_scenario_reports_each_width(self):
         _, out, records = self._smoke(
             "--scenarios=model_size", "--model_widths=64,256"
@@ -292,6 +368,8 @@ class FlagTest(parameterized.TestCase):
         ("--memory_repeats=0", "--memory_repeats must be positive"),
         ("--scaling_workers=1,x", "--scaling_workers=['1', 'x']"),
         ("--workloads=w9", "--workloads: unknown ['w9']"),
+        ("--workloads=w4", "--workloads: unknown ['w4']"),
+        ("--sharding_rows=0", "--sharding_rows must be positive"),
     )
     def test_bad_flags_are_refused_naming_the_flag(self, flag, named):
         proc = subprocess.run(
@@ -464,6 +542,92 @@ class ReportTest(absltest.TestCase):
             report.render(ran, "").split("## Before and after")[0],
             report.render(plain, "").split("## Reproduce")[0],
         )
+
+    def test_sharding_targets_come_only_with_the_sharding_scenario(self):
+        report = _load_report()
+
+        def run(workload, config, rate, ps=2):
+            return {
+                "scenario": "sharding",
+                "workload": workload,
+                "config": config,
+                "system": f"{config}_{workload}_{ps}ps",
+                "ps": ps,
+                "examples_per_sec": rate,
+            }
+
+        def memory(workload, config, states_mb, bytes_mb):
+            return {
+                "scenario": "sharding",
+                "event": "ps_memory",
+                "workload": workload,
+                "config": config,
+                "ps_tasks": [
+                    {
+                        "task": i,
+                        "bytes": bytes_mb * 1e6,
+                        "rss_empty_kb": 600_000,
+                        "anon_before_kb": 100_000,
+                        "anon_after_kb": 100_000 + state * 1000,
+                        "rss_after_kb": 700_000,
+                    }
+                    for i, state in enumerate(states_mb)
+                ],
+            }
+
+        records = [
+            run("w4", "tf1_sync", 100.0),
+            run("w4", "tf2sync_loop", 105.0),
+            run("w4", "tf2sync_fit", 95.0),
+            run("w4", "pss_async_unrolled", 110.0),
+            run("w3", "tf2sync_loop", 90.0, ps=2),
+            run("w3", "tf2sync_loop", 100.0, ps=1),
+            memory("w1", "tf2sync_loop", [10.0, 12.0], 0.01),
+            # ps 0: 1.25 x 256 + 10 = 330 exactly: PASS; ps 1: 343 > 332.
+            memory("w4", "tf2sync_loop", [330.0, 343.0], 256.0),
+        ]
+        rows = {t["target"]: t for t in report.targets(records)}
+
+        def got(name):
+            return rows[name]["measured"], rows[name]["result"]
+
+        self.assertEqual(
+            got("w4 (2 shards, 2 ps) tf2sync_loop / tf1_sync"), ("1.05", "PASS")
+        )
+        self.assertEqual(
+            got("w4 (2 shards, 2 ps) tf2sync_fit / tf1_sync"), ("0.95", "MISS")
+        )
+        self.assertEqual(
+            got("w4 (2 shards, 2 ps) tf2sync_fit / pss_async_unrolled"),
+            ("0.86", "MISS"),
+        )
+        self.assertEqual(
+            got("w4 (2 shards, 2 ps) tf2sync_loop / pss_async_unrolled"),
+            ("0.95", "PASS"),
+        )
+        ps0 = "ps memory, w4: tf2sync_loop state on ps 0 (MB)"
+        self.assertEqual(got(ps0), ("330.0", "PASS"))
+        self.assertStartsWith(rows[ps0]["required"], "<= 330.0 (1.25 x")
+        ps1 = "ps memory, w4: tf2sync_loop state on ps 1 (MB)"
+        self.assertEqual(got(ps1), ("343.0", "MISS"))
+        self.assertEqual(
+            got("w3 tf2sync_loop, 2 shards on 2 ps / on 1 ps"), ("0.90", "MISS")
+        )
+        section = "\n".join(report.sections.sharding_section(records))
+        self.assertIn(
+            "| tf2sync_loop | w4 | 1 | 600.0 | 256.0 | 343.0 | 1.34 | 332.0 "
+            "| n/a | 700.0 |",
+            section,
+        )
+        self.assertIn(
+            "| `tf2sync_loop` | 105 | 105 - 105 | 1 | 1.05 |", section
+        )
+        # Without the scenario: none of its targets, no section.
+        plain = [run("w1", "tf1_sync", 1.0) | {"scenario": "main"}]
+        self.assertFalse(
+            any("w4" in t["target"] for t in report.targets(plain))
+        )
+        self.assertEqual(report.sections.sharding_section(plain), [])
 
     def test_memory_targets_compare_growth_per_worker(self):
         report = _load_report()
