@@ -424,6 +424,46 @@ def trained(shards, steps=4):
     return model, opt
 
 
+class GuaranteesTest(absltest.TestCase):
+    def test_a_non_finite_push_is_dropped_for_every_shard(self):
+        sync = strategy(3)
+        with sync.scope():
+            model = testutil.dense_model()
+            opt = tf2sync.SyncOptimizer(OPTIMIZERS["sgd"]())
+            opt.build(model.trainable_variables)
+        x, y = testutil.data("dense", 8)
+        bad = x.copy()
+        bad[0, 0] = np.nan
+        before = full_weights(model)
+        # 2 finite pushes and a NaN one: one update, of the finite pair.
+        testutil.Loop(sync, model, opt).round([(x, y), (bad, y), (x, y)])
+        self.assertEqual(int(opt.nonfinite_dropped.numpy()), 1)
+        self.assertEqual(int(opt.iterations.numpy()), 1)
+        expected = reference("dense", OPTIMIZERS["sgd"], [(x, y)], before)
+        self.assertLess(
+            testutil.max_abs_diff(full_weights(model), expected), 1e-5
+        )
+
+    def test_a_model_built_outside_the_scope_is_refused(self):
+        sync = strategy(2)
+        model = testutil.sparse_model()  # plain variables, in this process
+        before = model.get_weights()
+        with sync.scope():
+            opt = tf2sync.SyncOptimizer(OPTIMIZERS["sgd"]())
+            # tf_keras refuses it at compile, naming the table.
+            with self.assertRaisesRegex(
+                ValueError,
+                r"(?s)embedding/embeddings:0.*was not created in the "
+                r"distribution strategy scope",
+            ):
+                model.compile(optimizer=opt, loss=testutil.LOSS)
+        self.assertEqual(testutil.max_abs_diff(model.get_weights(), before), 0)
+        self.assertEqual(
+            shard_counts(model),
+            {"embedding/embeddings": 1, "dense/kernel": 1, "dense/bias": 1},
+        )
+
+
 class CheckpointTest(parameterized.TestCase):
     @staticmethod
     def _momenta(opt):
