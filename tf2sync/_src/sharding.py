@@ -4,12 +4,12 @@ Under `SyncParameterServerStrategy(variable_partitioner=...)` a variable of
 rank >= 1 becomes a `ShardedVariable` exactly as under stock PSS: its rows
 split over `n` shards ("div" order: the first `rows % n` shards one row
 longer), placed round robin over the ps tasks, carrying on from the
-variables created before it (so shard 0 is not always on ps 0). Keras lists the shards,
-not the `ShardedVariable`, as a layer's weights, so each shard is a variable
-of its own to the rest of tf2sync: its gradient is a tensor or an
-`IndexedSlices` of that shard's rows, accumulated beside the shard on its
-ps (`wire.Layout` groups by the variable's device), and applied there by
-the one update of the step. The update ends with the global step's
+variables created before it (so shard 0 is not always on ps 0). Keras
+lists the shards, not the `ShardedVariable`, as a layer's weights, so each
+shard is a variable of its own to the rest of tf2sync: its gradient is a
+tensor or an `IndexedSlices` of that shard's rows, accumulated beside the
+shard on its ps (`wire.Layout` groups by the variable's device), and
+applied there by the one update of the step. The update ends with the global step's
 increment after every shard's write (`keras_compat.apply`), so a step
 tagged after it reads every shard of the same step.
 
