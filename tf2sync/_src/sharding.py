@@ -9,9 +9,9 @@ lists the shards, not the `ShardedVariable`, as a layer's weights, so each
 shard is a variable of its own to the rest of tf2sync: its gradient is a
 tensor or an `IndexedSlices` of that shard's rows, accumulated beside the
 shard on its ps (`wire.Layout` groups by the variable's device), and
-applied there by the one update of the step. The update ends with the global step's
-increment after every shard's write (`keras_compat.apply`), so a step
-tagged after it reads every shard of the same step.
+applied there by the one update of the step. The update ends with the
+global step's increment after every shard's write (`keras_compat.apply`),
+so a step tagged after it reads every shard of the same step.
 
 A partitioner is checked when it is given and again for every variable:
 stock PSS accepts any callable and fails deep inside variable creation, or
