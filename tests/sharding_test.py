@@ -453,15 +453,14 @@ class GuaranteesTest(absltest.TestCase):
             # tf_keras refuses it at compile, naming the table.
             with self.assertRaisesRegex(
                 ValueError,
-                r"(?s)embedding/embeddings:0.*was not created in the "
+                r"(?s)embedding(_\d+)?/embeddings:0.*was not created in the "
                 r"distribution strategy scope",
             ):
                 model.compile(optimizer=opt, loss=testutil.LOSS)
         self.assertEqual(testutil.max_abs_diff(model.get_weights(), before), 0)
-        self.assertEqual(
-            shard_counts(model),
-            {"embedding/embeddings": 1, "dense/kernel": 1, "dense/bias": 1},
-        )
+        # Built outside: one whole variable each (layer names vary with
+        # the models built before in this process).
+        self.assertEqual(list(shard_counts(model).values()), [1, 1, 1])
 
 
 class CheckpointTest(parameterized.TestCase):
