@@ -1,8 +1,5 @@
 """EMA of the weights (once per sync step) and export to a plain process."""
 
-import os
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
@@ -108,18 +105,6 @@ class EmaTest(absltest.TestCase):
                 )
 
 
-_LOAD = """
-import os, sys
-os.environ["TF_USE_LEGACY_KERAS"] = "1"
-import numpy as np
-import tensorflow as tf
-assert "tf2sync" not in sys.modules
-model = tf.keras.models.load_model(sys.argv[1], compile=False)
-x = np.load(sys.argv[2])
-np.save(sys.argv[3], model.predict(x, verbose=0))
-"""
-
-
 class ExportTest(absltest.TestCase):
     def test_ema_model_loads_in_a_plain_process(self):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
@@ -146,28 +131,11 @@ class ExportTest(absltest.TestCase):
             model.save(paths["keras"])
             model.save(paths["h5"], include_optimizer=False)
             model.save(paths["savedmodel"], include_optimizer=False)
-        np.save(directory + "/x.npy", x)
         local = testutil.dense_model(seed=3)
         local.set_weights(ema_weights)
         expected = local.predict(x, verbose=0)
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-        for kind, path in paths.items():
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    "-c",
-                    _LOAD,
-                    path,
-                    directory + "/x.npy",
-                    directory + f"/{kind}.npy",
-                ],
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=120,
-            )
-            self.assertEqual(out.returncode, 0, out.stderr[-2000:])
-            got = np.load(directory + f"/{kind}.npy")
+        for path in paths.values():
+            got = testutil.predict_in_plain_process(self, path, x)
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 

@@ -6,6 +6,10 @@ cluster shape once and every test builds a fresh strategy on it.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -139,3 +143,38 @@ class Loop:
                 self.step, args=(x, y, tf.constant(d, tf.float32))
             )
         self.coordinator.join()
+
+
+_PREDICT = """
+import os, sys
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+import numpy as np
+import tensorflow as tf
+assert "tf2sync" not in sys.modules
+model = tf.keras.models.load_model(sys.argv[1], compile=False)
+x = np.load(sys.argv[2])
+np.save(sys.argv[3], model.predict(x, verbose=0))
+"""
+
+
+def predict_in_plain_process(test, path, x):
+    """`load_model(path, compile=False).predict(x)` in a new process that
+    never imports tf2sync; fails `test` with its stderr if it exits non-0."""
+    directory = tempfile.mkdtemp()
+    np.save(directory + "/x.npy", x)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _PREDICT,
+            path,
+            directory + "/x.npy",
+            directory + "/out.npy",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        timeout=120,
+    )
+    test.assertEqual(out.returncode, 0, out.stderr[-2000:])
+    return np.load(directory + "/out.npy")

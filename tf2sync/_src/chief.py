@@ -6,13 +6,13 @@ import dataclasses
 import sys
 import time
 
-import numpy as np
 import tensorflow as tf
 from absl import logging
 
 from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import checkpointing
 from tf2sync._src import processes
+from tf2sync._src import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,29 +284,6 @@ def _sharded(variables) -> dict:
     return {name: sorted(parts) for name, parts in sharded.items()}
 
 
-def _unsharded_weights(model) -> list:
-    """`model.get_weights()`, each sharded variable's shards concatenated
-    in order (Keras lists the shards as weights: a model built without a
-    partitioner has one weight in their place)."""
-    values = model.get_weights()
-    weights, parts = [], {}
-    for variable, value in zip(model.weights, values):
-        shard = _shard_of(variable)
-        if shard is None:
-            weights.append(value)
-            continue
-        if shard[0] not in parts:
-            parts[shard[0]] = []
-            weights.append(parts[shard[0]])  # concatenated below
-        parts[shard[0]].append((shard[1], value))
-    return [
-        np.concatenate([v for _, v in sorted(w, key=lambda p: p[0])])
-        if isinstance(w, list)
-        else w
-        for w in weights
-    ]
-
-
 def _print_shards(model):
     """Prints each sharded variable: one line, its shards and their ps."""
     for name, parts in _sharded(model.variables).items():
@@ -386,7 +363,7 @@ def _evaluate(job, model):
     """
     x, y = job.eval_arrays()
     local = job.build_model()
-    local.set_weights(_unsharded_weights(model))
+    local.set_weights(sharding.whole_weights(model.weights))
     local.compile(loss=job.LOSS, metrics=list(job.METRICS))
     values = local.evaluate(x, y, verbose=0, return_dict=True)
     metrics = {k: float(v) for k, v in values.items()}

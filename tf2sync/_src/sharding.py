@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
 import tensorflow as tf
 
 from tf2sync._src import tf_internals
@@ -96,3 +97,15 @@ def shards(variables) -> list:
 def is_sharded(variable) -> bool:
     """Whether `variable` is a `ShardedVariable`."""
     return tf_internals.is_sharded_variable(variable)
+
+
+def whole_weights(variables) -> list:
+    """The values of `variables` (e.g. `model.weights`), each sharded
+    variable's shards concatenated into one array, in order: what
+    `set_weights` of the same model built without a partitioner takes."""
+    return [
+        np.concatenate([v.numpy() for v in parts], axis=0)
+        if container is not None
+        else parts[0].numpy()
+        for container, parts in tf_internals.group_shards(variables)
+    ]

@@ -588,10 +588,23 @@ def _weight_groups(layer):
     `_non_trainable_weights`, which list a sharded weight as its shards, in
     order), each sharded weight's shards as one group: `[(sharded or None,
     [variables])]`."""
+    return group_shards(layer._trainable_weights + layer._non_trainable_weights)
+
+
+def sharded_container(var):
+    """The `ShardedVariable` `var` is a shard of, or None
+    (`_sharded_container`, a weak reference `ShardedVariable` sets on each
+    of its shards)."""
+    ref = getattr(var, "_sharded_container", None)
+    return ref() if ref is not None else None
+
+
+def group_shards(variables) -> list:
+    """`[(sharded or None, [variables])]`: consecutive shards of one
+    `ShardedVariable` as one group, in order (as Keras lists them)."""
     groups = []
-    for var in layer._trainable_weights + layer._non_trainable_weights:
-        ref = getattr(var, "_sharded_container", None)
-        container = ref() if ref is not None else None
+    for var in variables:
+        container = sharded_container(var)
         if container is not None and groups and groups[-1][0] is container:
             groups[-1][1].append(var)
         else:
