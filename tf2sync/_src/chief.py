@@ -267,34 +267,19 @@ def _partitioner_text(config: ChiefConfig, num_ps: int) -> str:
     )
 
 
-def _shard_of(variable):
-    """`(name, index)` of a shard `name/part_<index>:0`, else None."""
-    name, _, part = variable.name.rpartition("/part_")
-    index = part.split(":")[0]
-    return (name, int(index)) if name and index.isdigit() else None
-
-
-def _sharded(variables) -> dict:
-    """Each sharded variable's name: its shards in order (`(index, var)`)."""
-    sharded = {}
-    for variable in variables:
-        shard = _shard_of(variable)
-        if shard:
-            sharded.setdefault(shard[0], []).append((shard[1], variable))
-    return {name: sorted(parts) for name, parts in sharded.items()}
-
-
 def _print_shards(model):
     """Prints each sharded variable: one line, its shards and their ps."""
-    for name, parts in _sharded(model.variables).items():
-        rows = sum(v.shape[0] for _, v in parts)
-        shape = [rows, *parts[0][1].shape[1:]]
+    for sharded, parts in sharding.sharded_groups(model.variables):
+        # A ShardedVariable is named "ShardedVariable"; its shards
+        # "<name>/part_<i>".
+        name = parts[0].name.split(":")[0].rsplit("/part_", 1)[0]
         where = ", ".join(
             f"part_{i} {v.shape.as_list()} on {_task_of(v.device)}"
-            for i, v in parts
+            for i, v in enumerate(parts)
         )
         print(
-            f"tf2sync: {name} {shape} in {len(parts)} shards: {where}",
+            f"tf2sync: {name} {sharded.shape.as_list()} in {len(parts)} "
+            f"shards: {where}",
             flush=True,
         )
 

@@ -109,3 +109,13 @@ def whole_weights(variables) -> list:
         else parts[0].numpy()
         for container, parts in tf_internals.group_shards(variables)
     ]
+
+
+def sharded_groups(variables) -> list:
+    """`[(sharded_variable, [its shards])]` for the sharded variables whose
+    shards `variables` lists (e.g. `model.variables`), in order."""
+    return [
+        (container, parts)
+        for container, parts in tf_internals.group_shards(variables)
+        if container is not None
+    ]
