@@ -50,7 +50,9 @@ class TokenWatchdogTest(absltest.TestCase):
         ).start()
         self.assertTrue(done.wait(60), "the step hung on the lost token")
         self.assertEqual(int(opt.iterations.numpy()), 1)
-        self.assertEqual(strategy._watchdog.released, 1)
+        # 1, or more when a step took over 1 s to push (a loaded machine):
+        # surplus tokens are safe (see watchdog.py).
+        self.assertGreaterEqual(strategy._watchdog.released, 1)
         self.assertEqual(int(opt.gradients_accepted.numpy()), 2)
 
     def test_stop_all_ends_every_watchdog_before_a_new_cluster(self):
@@ -88,10 +90,6 @@ class TokenWatchdogTest(absltest.TestCase):
             r"Received: token_timeout=0",
         ):
             testutil.strategy(2, replicas_to_aggregate=2, token_timeout=0)
-
-
-if __name__ == "__main__":
-    absltest.main()
 
 
 class BadInputTest(absltest.TestCase):
@@ -198,10 +196,11 @@ np.save(os.path.join(directory, "saved.npy"), model.get_weights()[0])
 model.set_weights([w + 1.0 for w in model.get_weights()])
 
 
-def die(*args, **kwargs):  # ckpt-2's data is written; its index is not
+def die(*args, **kwargs):  # ckpt-2 is written; the state file names ckpt-1
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+tf.io.gfile.rename = die  # the state file's atomic replace (OneTraceSaver)
 checkpoint_management.update_checkpoint_state_internal = die
 saver.on_epoch_end(1)
 """
@@ -229,3 +228,167 @@ class AtomicCheckpointTest(absltest.TestCase):
         tf.train.Checkpoint(model=model).restore(latest).expect_partial()
         saved = np.load(os.path.join(directory, "saved.npy"))
         np.testing.assert_array_equal(model.get_weights()[0], saved)
+
+
+class OneTraceSaverTest(absltest.TestCase):
+    def test_saves_trace_once_and_keep_the_newest(self):
+        # TF traces (and registers with every task) a new function per save
+        # of variables on several tasks; a frozen worker would block each.
+        from tf2sync._src import checkpointing
+
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = testutil.dense_model()
+        directory = os.path.join(tempfile.mkdtemp(), "new")
+        checkpoint = tf.train.Checkpoint(model=model)
+        saver = checkpointing.OneTraceSaver(checkpoint, directory, 2)
+        for epoch in range(1, 4):
+            model.weights[0].assign(
+                tf.fill(model.weights[0].shape, float(epoch))
+            )
+            saver.save(epoch)
+        self.assertEqual(saver._write.experimental_get_tracing_count(), 1)
+        self.assertEqual(
+            os.path.basename(tf.train.latest_checkpoint(directory)), "ckpt-3"
+        )
+        manager = tf.train.CheckpointManager(checkpoint, directory, 2)
+        self.assertEqual(
+            [os.path.basename(p) for p in manager.checkpoints],
+            ["ckpt-2", "ckpt-3"],
+        )
+        self.assertFalse(tf.io.gfile.glob(os.path.join(directory, "ckpt-1*")))
+        restored = testutil.dense_model()
+        tf.train.Checkpoint(model=restored).restore(
+            os.path.join(directory, "ckpt-2")
+        ).expect_partial()
+        np.testing.assert_array_equal(restored.weights[0].numpy(), 2.0)
+
+
+class FastRecoveryTest(absltest.TestCase):
+    """A worker the coordinator saw fail, or that stopped answering."""
+
+    def _replica_step(self, strategy, model, opt):
+        x, y = testutil.data("dense", 8)
+
+        def replica():
+            with tf.GradientTape() as tape:
+                loss = testutil.mean_loss(y, model(x))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        @tf.function
+        def step():
+            strategy.run(replica)
+
+        return step
+
+    def _join_within(self, coordinator, seconds):
+        done = threading.Event()
+        threading.Thread(
+            target=lambda: (coordinator.join(), done.set()), daemon=True
+        ).start()
+        return done.wait(seconds)
+
+    def test_a_failed_worker_releases_its_token_at_once(self):
+        from tf2sync._src import watchdog
+
+        # token_timeout=60: only the alarm can release the token in time.
+        strategy = testutil.strategy(
+            2, replicas_to_aggregate=2, token_timeout=60.0
+        )
+        with strategy.scope():
+            model = testutil.dense_model()
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+        aggregator = opt._aggregator
+        with tf.device(aggregator.device):  # a worker took it and died
+            aggregator.token_queue.dequeue()
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        step = self._replica_step(strategy, model, opt)
+        for _ in range(2):  # the second waits for the lost token
+            coordinator.schedule(step)
+        began = time.monotonic()
+        watchdog.alarm_all("worker 1 failed (injected by the test)")
+        # Waits for: the stall (0.5 s without progress) and the release.
+        self.assertTrue(self._join_within(coordinator, 20), "still stalled")
+        self.assertLess(time.monotonic() - began, 10)
+        self.assertEqual(int(opt.iterations.numpy()), 1)
+        self.assertEqual(strategy._watchdog.released, 1)
+
+    def test_an_epoch_plan_caps_updates_and_other_functions_lift_it(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = testutil.dense_model()
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        step = self._replica_step(strategy, model, opt)
+        before = int(opt.iterations.numpy())
+        # 4 pushes planned (2 updates); 7 scheduled, as after a re-run.
+        coordinator.plan_epoch(step, 4)
+        for _ in range(7):
+            coordinator.schedule(step)
+        coordinator.join()
+        self.assertEqual(int(opt.iterations.numpy()), before + 2)
+        aggregator = opt._aggregator
+        self.assertEqual(int(aggregator.over_plan.numpy()), 3)
+        weights = [w.numpy() for w in model.weights]
+        # A function nobody planned (a user's loop after fit) is not capped.
+        other = self._replica_step(strategy, model, opt)
+        for _ in range(2):
+            coordinator.schedule(other)
+        coordinator.join()
+        self.assertEqual(int(opt.iterations.numpy()), before + 3)
+        self.assertGreater(testutil.max_abs_diff(weights, model.weights), 0)
+
+    def test_a_frozen_worker_is_declared_and_its_function_runs_elsewhere(self):
+        from tf2sync._src import liveness
+        from tf2sync._src import tf_internals
+
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        frozen = threading.Event()  # worker 1's pings go unanswered meanwhile
+
+        def pinger(device):
+            def ping():
+                while "task:1" in device and frozen.is_set():
+                    time.sleep(0.05)
+
+            return ping
+
+        monitor = liveness.WorkerMonitor(coordinator, 1.0, pinger=pinger)
+        try:
+            with tf.device("/job:ps/task:0"):
+                gate = tf.queue.FIFOQueue(-1, tf.int64, shapes=[])
+            with strategy.scope():
+                runs = tf.Variable(0, dtype=tf.int64)
+
+            @tf.function
+            def blocked():  # runs until the test opens the gate
+                runs.assign_add(1)
+                return gate.dequeue()
+
+            frozen.set()
+            # One function on each worker, both waiting at the gate.
+            results = [coordinator.schedule(blocked) for _ in range(2)]
+            deadline = time.monotonic() + 30
+            # Waits for: both functions started and worker 1 declared.
+            while time.monotonic() < deadline and not (
+                monitor.declared and int(runs.numpy()) == 2
+            ):
+                time.sleep(0.05)
+            self.assertEqual([i for i, _ in monitor.declared], [1])
+            self.assertGreaterEqual(monitor.declared[0][1], 1.0)
+            frozen.clear()
+            # Worker 0's run, worker 1's (ignored) and the re-run.
+            gate.enqueue_many(tf.constant([7, 7, 7], tf.int64))
+            self.assertTrue(self._join_within(coordinator, 30))
+            self.assertEqual(int(runs.numpy()), 3)
+            self.assertEqual([int(r.fetch()) for r in results], [7, 7])
+            self.assertTrue(coordinator.done())
+            self.assertFalse(tf_internals.take_over_closure(coordinator, 1))
+        finally:
+            monitor.stop()
+            frozen.clear()
+
+
+if __name__ == "__main__":
+    absltest.main()

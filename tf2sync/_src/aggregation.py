@@ -23,6 +23,11 @@ The protocol, for one synchronous optimizer with global step `g` (its
      increments `g` by exactly 1, resets the accumulators and releases
      `max(M, N)` tokens.
 4. A step that pushes nothing (evaluation) puts its token back.
+5. A push arriving once `g` reached the step limit (`plan_updates`: the
+   updates `fit` or `Trainer` planned for the epoch) is dropped and
+   counted as over the plan, and gives its token back. Re-run functions
+   (PSS runs a function at least once: after a worker fault it runs again
+   from its start) then cannot apply more updates than planned.
 
 TF1's order (the `compat_v1` shim) uses the same barrier the other way
 round: the tag is the worker's local step, the push comes first, and the
@@ -122,6 +127,12 @@ class Aggregator:
         self.nonfinite_dropped = wire_lib.ps_variable(
             tf.constant(0, tf.int64), self.device, name + "_nonfinite"
         )
+        self.step_limit = wire_lib.ps_variable(
+            tf.constant(NO_LIMIT, tf.int64), self.device, name + "_limit"
+        )
+        self.over_plan = wire_lib.ps_variable(
+            tf.constant(0, tf.int64), self.device, name + "_over_plan"
+        )
         self.num_workers = max(1, int(num_workers))
         self.accepted_per_worker = wire_lib.ps_variable(
             tf.zeros([self.num_workers], tf.int64), self.device, name + "_wa"
@@ -146,6 +157,24 @@ class Aggregator:
 
     def _step(self):
         return self.barrier.step()
+
+    def plan_updates(self, pushes: int) -> int:
+        """Caps the global step at `pushes // replicas_to_aggregate` updates
+        from now (eagerly, between epochs); returns the limit.
+
+        Pushes beyond it are dropped (see the module docstring, 5.).
+        """
+        with tf.init_scope():
+            limit = int(self.global_step.numpy()) + max(
+                0, int(pushes) // self.config.replicas_to_aggregate
+            )
+            self.step_limit.assign(limit)
+        return limit
+
+    def clear_plan(self) -> None:
+        """Removes the cap of `plan_updates` (eagerly)."""
+        with tf.init_scope():
+            self.step_limit.assign(NO_LIMIT)
 
     @property
     def token_queue(self) -> tf.queue.FIFOQueue:
@@ -361,9 +390,13 @@ class Aggregator:
         same_step = tf.equal(self.acc_step.read_value(), step)
         ok = self._all_finite(arrived) if check_finite else tf.constant(True)
         branch = tf.where(
-            fresh,
-            tf.where(ok, tf.where(same_step, 1, 3), 2),
-            0,
+            step < self.step_limit.read_value(),
+            tf.where(
+                fresh,
+                tf.where(ok, tf.where(same_step, 1, 3), 2),
+                0,
+            ),
+            4,
         )
         count = tf.switch_case(
             branch,
@@ -372,6 +405,7 @@ class Aggregator:
                 lambda: self._accumulate(arrived),
                 self._drop_nonfinite,
                 lambda: self._discard_then_accumulate(arrived),
+                self._drop_over_plan,
             ],
         )
         applied = tf.cond(
@@ -437,6 +471,16 @@ class Aggregator:
                 self.nonfinite_dropped.assign_add(1, read_value=False),
                 self.barrier.release(1),
             ] + [op for hook in self.on_nonfinite for op in hook()]
+        with tf.control_dependencies(ops):
+            return tf.constant(-1, tf.int64)
+
+    def _drop_over_plan(self):
+        """Drops and counts a push past the step limit, gives its token
+        back (the steps still scheduled must not wait): -1."""
+        ops = [
+            self.over_plan.assign_add(1, read_value=False),
+            self.barrier.release(1),
+        ]
         with tf.control_dependencies(ops):
             return tf.constant(-1, tf.int64)
 
@@ -564,6 +608,10 @@ class Aggregator:
             )
         with tf.control_dependencies([release]):
             return tf.constant(True)
+
+
+# The step limit when nothing is planned: never reached.
+NO_LIMIT = 2**62
 
 
 def _after(ops, value):

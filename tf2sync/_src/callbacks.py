@@ -33,6 +33,7 @@ def sync_totals(optimizer) -> dict:
         "nonfinite_dropped": int(aggregator.nonfinite_dropped.numpy()),
         "barrier_wait_s": float(aggregator.wait_seconds.numpy()),
         "accepted": int(aggregator.accepted.numpy()),
+        "over_plan_dropped": int(aggregator.over_plan.numpy()),
     }
     accepted = aggregator.accepted_per_worker.numpy()
     stale = aggregator.stale_per_worker.numpy()
@@ -98,7 +99,7 @@ class SyncMetrics(tf_keras.callbacks.Callback):
         started, before = self._start
         seconds = max(time.perf_counter() - started, 1e-9)
         now = self._totals()
-        logs.update({k: v for k, v in now.items() if k != "accepted"})
+        logs.update({k: v for k, v in now.items() if is_sync_total(k)})
         logs["stale_dropped_epoch"] = (
             now["stale_dropped"] - before["stale_dropped"]
         )

@@ -15,6 +15,7 @@ import tensorflow as tf
 from tf2sync._src import step_context
 from tf2sync._src import tf_internals
 from tf2sync._src import unrolled_fit
+from tf2sync._src import watchdog
 
 
 class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
@@ -30,6 +31,11 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
 
     On workers without GPUs, per-worker datasets are iterated directly (see
     `create_per_worker_dataset`).
+
+    `plan_epoch` caps the updates of an epoch that `fit` or `Trainer` is
+    starting (see `Aggregator.plan_updates`); scheduling a function they
+    did not plan lifts the cap, so a loop of the user's after `fit` is not
+    capped by `fit`'s last epoch.
     """
 
     def __init__(self, strategy):
@@ -38,6 +44,8 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         if first:
             self._worker_ids = None
             self._wrapped = weakref.WeakKeyDictionary()
+            self._planned = None  # functions under the current cap
+            tf_internals.on_worker_failure(self, _worker_failed)
 
     def create_per_worker_dataset(self, dataset_fn):
         """See base class. On CPU workers, without the per-device iterator.
@@ -83,7 +91,34 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             )
         return self._worker_ids
 
+    def planned(self, fn) -> None:
+        """Marks `fn` as one the current plan's epochs schedule."""
+        if self._planned is None:
+            self._planned = weakref.WeakSet()
+        self._planned.add(fn)
+
+    def plan_epoch(self, fn, pushes: int) -> None:
+        """Caps the updates of the epoch starting now at `pushes` pushes'
+        worth (`Aggregator.plan_updates`), for `fn`'s functions.
+
+        Call between epochs, before scheduling the epoch's first function;
+        without a `tf2sync.SyncOptimizer` attached, does nothing.
+        """
+        aggregator = _core_aggregator(self.strategy)
+        if aggregator is None:
+            return
+        self.planned(fn)
+        aggregator.plan_updates(pushes)
+
+    def _lift_plan(self, fn) -> None:
+        if self._planned is not None and fn not in self._planned:
+            self._planned = None
+            aggregator = _core_aggregator(self.strategy)
+            if aggregator is not None:
+                aggregator.clear_plan()
+
     def schedule(self, fn, args=None, kwargs=None):
+        self._lift_plan(fn)
         protocol = self.strategy._protocol
         if protocol is None or not isinstance(
             fn, tf.types.experimental.GenericFunction
@@ -109,6 +144,23 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             )
             protocol.before_dispatch()
         return super().schedule(wrapped, args=args, kwargs=kwargs)
+
+
+def _core_aggregator(strategy):
+    """The `Aggregator` of the strategy's SyncOptimizer, or None (none
+    attached, or the TF1 shim's, which plans nothing)."""
+    protocol = strategy._protocol
+    if protocol is None or protocol.traces_before_dispatch:
+        return None
+    return protocol.aggregator
+
+
+def _worker_failed(index, error):
+    """Releases the tokens a failed worker's step held (see `watchdog`)."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    watchdog.alarm_all(
+        f"worker {index} failed ({type(error).__name__}: {first[:120]})"
+    )
 
 
 def for_exact_evaluation() -> bool:

@@ -10,6 +10,7 @@ from absl import logging
 from tf2sync._src import config as config_lib
 from tf2sync._src import coordinator as coordinator_lib
 from tf2sync._src import graph_rewrites
+from tf2sync._src import liveness
 from tf2sync._src import options as options_lib
 from tf2sync._src import sharding
 from tf2sync._src import step_context
@@ -117,6 +118,7 @@ class SyncParameterServerStrategy(
         total_num_replicas: int | None = None,
         variable_partitioner=None,
         token_timeout: float | None = 60.0,
+        worker_timeout: float | None = None,
         options: options_lib.SyncOptions | None = None,
     ):
         """Connects to the cluster and records the synchronous settings.
@@ -139,7 +141,14 @@ class SyncParameterServerStrategy(
             `tf2sync/_src/sharding.py`).
           token_timeout: Seconds without progress and without tokens after
             which the tokens a dead worker took are released (see
-            `tf2sync/_src/watchdog.py`); `None` turns that off.
+            `tf2sync/_src/watchdog.py`); `None` turns that off. A worker
+            whose closure fails (killed, restarted) has its step's tokens
+            released within about a second, whatever this is.
+          worker_timeout: Seconds a worker may leave the coordinator's pings
+            unanswered (frozen, partitioned) before it is treated as failed:
+            its in-flight function runs again on another worker and its
+            step's token is released (see `tf2sync/_src/liveness.py`).
+            `None` (the default) never declares a worker frozen.
           options: A `tf2sync.SyncOptions` (tunables, read as
             `strategy.options`); `None` means `SyncOptions()`.
 
@@ -162,6 +171,15 @@ class SyncParameterServerStrategy(
                 f"None. Received: token_timeout={token_timeout!r}"
             )
         self._token_timeout = token_timeout
+        if worker_timeout is not None and not (
+            isinstance(worker_timeout, (int, float))
+            and not isinstance(worker_timeout, bool)
+            and worker_timeout > 0
+        ):
+            raise ValueError(
+                "`worker_timeout` must be a positive number of seconds or "
+                f"None. Received: worker_timeout={worker_timeout!r}"
+            )
         self._options = options_lib.check(options)  # None: SyncOptions()
         self._watchdog = None
         # The step protocol of the synchronous optimizer attached (one per
@@ -173,12 +191,18 @@ class SyncParameterServerStrategy(
             # Another cluster: the watchdogs of strategies on the previous
             # one would read through handles the connection invalidates.
             watchdog.stop_all()
+            liveness.stop_all()
         _CONNECTED["spec"] = spec
         super().__init__(cluster_resolver, variable_partitioner)
         tf_internals.replace_extended_class(self, _SyncExtended)
         self._extended._tf2sync_variables = weakref.WeakValueDictionary()
         # Installed now, so that ClusterCoordinator(strategy) returns it.
-        coordinator_lib.SyncCoordinator(self)
+        coordinator = coordinator_lib.SyncCoordinator(self)
+        self.worker_monitor = None
+        if worker_timeout is not None:
+            self.worker_monitor = liveness.WorkerMonitor(
+                coordinator, worker_timeout
+            )
         num_workers = tf_internals.num_workers(self)
         if self._sync_config.total_num_replicas != num_workers:
             logging.warning(

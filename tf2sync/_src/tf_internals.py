@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -31,6 +32,8 @@ from tensorflow.python.distribute import sharded_variable
 from tensorflow.python.distribute.coordinator import (
     cluster_coordinator as coordinator_lib,
 )
+from tensorflow.python.eager import context as eager_context
+from tensorflow.python.eager import executor as eager_executor
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import base as trackable
 from tf_keras.src.engine import base_layer as keras_base_layer
@@ -229,6 +232,149 @@ def inflight_closures(coordinator) -> tuple[int, bool]:
     return int(queue._inflight_closure_count), queue._queue.empty()
 
 
+def on_worker_failure(coordinator, callback) -> None:
+    """Calls `callback(worker_index, error)` when a worker fails a closure.
+
+    PSS tells nobody: its `Worker._on_closure_failure` (run once the
+    failure handler has classified the error as a worker failure, before
+    it waits for the worker to come back) puts the closure back. Wrapped
+    per worker instance, after the closure is back in the queue.
+    """
+    for worker in coordinator._cluster.workers:
+        original = worker._on_closure_failure
+        if getattr(original, "_tf2sync_hooked", False):
+            continue
+
+        def hooked(
+            closure, error, original=original, index=worker.worker_index
+        ):
+            original(closure, error)
+            callback(index, error)
+
+        hooked._tf2sync_hooked = True
+        worker._on_closure_failure = hooked
+
+
+def track_closures(coordinator) -> None:
+    """Lets `take_over_closure` move a worker's in-flight closure.
+
+    Replaces each worker's `_process_closure` (per instance; its thread
+    looks the method up for every closure) with `_process_tracked`: TF's
+    own [2.21] [2.15: the same], plus the record of the closure running and
+    the check, when it returns or fails, that nobody took it over.
+    """
+    for worker in coordinator._cluster.workers:
+        if getattr(worker, "_tf2sync_lock", None) is not None:
+            continue
+        worker._tf2sync_lock = threading.Lock()
+        worker._tf2sync_running = None
+        worker._tf2sync_taken = None
+        worker._process_closure = lambda closure, worker=worker: (
+            _process_tracked(worker, closure)
+        )
+
+
+def take_over_closure(coordinator, index: int) -> bool:
+    """Puts worker `index`'s in-flight closure back in the queue.
+
+    Another worker then runs it, and the coordinator's count of closures in
+    flight no longer includes it (`join` does not wait for it). Whatever
+    the original run returns or raises later is ignored. Returns whether
+    there was a closure to move (`track_closures` must have run).
+    """
+    worker = coordinator._cluster.workers[index]
+    lock = getattr(worker, "_tf2sync_lock", None)
+    if lock is None:
+        return False
+    with lock:
+        closure = worker._tf2sync_running
+        if closure is None or worker._tf2sync_taken is closure:
+            return False
+        worker._tf2sync_taken = closure
+        coordinator._cluster.closure_queue.put_back(closure)
+    return True
+
+
+def _process_tracked(worker, closure):
+    """`Worker._process_closure`, for `track_closures`."""
+    lock = worker._tf2sync_lock
+    queue = worker._cluster.closure_queue
+    with lock:
+        worker._tf2sync_running = closure
+
+    def taken_over():
+        # Else the closure is ours to finish: nobody may take it over now.
+        with lock:
+            if worker._tf2sync_taken is closure:
+                return True
+            worker._tf2sync_running = None
+            return False
+
+    def on_failure(error):
+        if not taken_over():
+            worker._on_closure_failure(closure, error)
+            return
+        with worker._resource_tracking_lock:  # the rest of that method
+            worker._is_dead_with_error = error
+            worker._set_resources_aborted(error)
+
+    def on_transient_failure():
+        if not taken_over():
+            queue.put_back(closure)
+
+    try:
+        with worker.failure_handler.wait_on_failure(
+            on_failure_fn=on_failure,
+            on_transient_failure_fn=on_transient_failure,
+            on_recovery_fn=worker._on_worker_recovery,
+            worker_device_name=worker.device_name,
+        ):
+            closure.execute_on(worker)
+            if taken_over():
+                return
+            closure.maybe_call_with_output_remote_value(lambda r: r.get())
+            queue.mark_finished()
+    except Exception as e:  # noqa: BLE001 - as TF's, which reports it
+        with lock:
+            if worker._tf2sync_taken is closure:
+                return
+        if not isinstance(e, tf.errors.CancelledError):
+            tf.compat.v1.logging.error(
+                " /job:worker/task:%d encountered the following error when "
+                "processing closure: %r:%s",
+                worker.worker_index,
+                e,
+                e,
+            )
+        closure.maybe_call_with_output_remote_value(
+            lambda r, error=e: r._set_error(error)
+        )
+        queue.mark_failed(e)
+    finally:
+        with lock:
+            if worker._tf2sync_running is closure:
+                worker._tf2sync_running = None
+            if worker._tf2sync_taken is closure:
+                worker._tf2sync_taken = None
+
+
+def worker_pinger(device: str):
+    """`ping()`: runs a scalar op on `device` and waits for its answer.
+
+    With an executor of its own (as PSS gives each worker), so that a ping
+    waiting on a frozen worker blocks nothing else. No public way to pick
+    an executor.
+    """
+    executor = eager_executor.new_executor(enable_async=False)
+    one = tf.constant(1, tf.int64)
+
+    def ping():
+        with eager_context.executor_scope(executor), tf.device(device):
+            return int(tf.identity(one).numpy())
+
+    return ping
+
+
 def worker_slice_specs(structure, worker: int = 0):
     """Worker `worker`'s slice of `schedule` arguments, as the specs
     `ClusterCoordinator.schedule` traces a function with."""
@@ -321,6 +467,16 @@ def data_handler_steps_per_execution(handler):
 def set_data_handler_steps_per_execution(handler, variable) -> None:
     """Makes a data handler read `variable` as its `steps_per_execution`."""
     handler._steps_per_execution = variable
+
+
+def fit_epoch_position(handler):
+    """`(first step of the call being made, steps of the epoch)` of a fit
+    data handler (its `_current_step` and `inferred_steps`), or None."""
+    current = getattr(handler, "_current_step", None)
+    total = getattr(handler, "inferred_steps", None)
+    if not isinstance(current, int) or not isinstance(total, int):
+        return None
+    return current, total
 
 
 def running_fit_data_handler(model):

@@ -117,6 +117,11 @@ class Trainer:
         self._shim = isinstance(optimizer, compat_v1.SyncReplicasOptimizer)
         self.global_step = self._build_optimizer_state()
         self._manager = self._checkpoint_manager(checkpoint_dir, max_to_keep)
+        self._saver = None
+        if self._manager:  # one traced save (see `OneTraceSaver`)
+            self._saver = checkpointing.OneTraceSaver(
+                self._manager.checkpoint, checkpoint_dir, max_to_keep
+            )
 
     def _build_optimizer_state(self):
         """Builds the optimizer's variables under the strategy's scope.
@@ -264,12 +269,13 @@ class Trainer:
 
     def _restore_latest_checkpoint(self):
         """Restores the latest checkpoint of `checkpoint_dir`, if any."""
-        if self._manager and self._manager.latest_checkpoint:
-            checkpointing.check_shapes(
-                self._manager.checkpoint, self._manager.latest_checkpoint
-            )
+        if not self._manager:
+            return
+        latest = tf.train.latest_checkpoint(self._manager.directory)
+        if latest:
+            checkpointing.check_shapes(self._manager.checkpoint, latest)
             self._manager.checkpoint.restore(
-                self._manager.latest_checkpoint
+                latest
             ).assert_existing_objects_matched()
 
     def _per_worker_iterator(self, dataset_fn):
@@ -294,6 +300,9 @@ class Trainer:
         """
         began = time.perf_counter()
         before = self._sync_totals(sync)["sync_steps"]
+        plan = getattr(self.coordinator, "plan_epoch", None)
+        if plan is not None:  # re-run functions add no update to the epoch
+            plan(loop, loops_per_epoch * self.steps_per_loop)
         results = [
             self.coordinator.schedule(loop, args=(iterator,))
             for _ in range(loops_per_epoch)
@@ -322,8 +331,8 @@ class Trainer:
     def _end_epoch(self, epoch, epochs, logs):
         """Counts `epoch` done, checkpoints it, and with `verbose=2` logs it."""
         self._epoch.assign(epoch + 1)
-        if self._manager:
-            self._manager.save(checkpoint_number=epoch + 1)
+        if self._saver:
+            self._saver.save(epoch + 1)
         if self._verbose == 2:
             print(
                 f"epoch {epoch + 1}/{epochs} "

@@ -139,13 +139,15 @@ def _scheduler(model, coordinator, sync):
     functions = {}
 
     def schedule(iterator):
+        handler = tf_internals.running_fit_data_handler(model)
         # One function per value, as fit's data handler counts them.
-        steps = _steps_of_call(model)
+        steps = _steps_of_call(model, handler)
         function = functions.get(steps)
         if function is None:
             function = tf.function(_unrolled(model, steps))
             functions[steps] = function
             model.train_tf_function = function  # TensorBoard's graph
+        _plan(coordinator, function, handler)
         logs = coordinator.schedule(function, args=(iterator,))
         return logs if sync is None else _WithSyncTotals(logs, sync)
 
@@ -238,7 +240,21 @@ def _unrolled(model, steps):
     return train_function
 
 
-def _steps_of_call(model):
+def _plan(coordinator, function, handler):
+    """Caps each epoch at its planned updates (`SyncCoordinator.plan_epoch`),
+    at the epoch's first function: a function re-run after a worker fault
+    then does not add updates to the epoch."""
+    plan = getattr(coordinator, "plan_epoch", None)
+    if plan is None:
+        return
+    position = tf_internals.fit_epoch_position(handler)
+    if position is not None and position[0] == 0 and position[1]:
+        plan(function, position[1])
+    else:
+        coordinator.planned(function)
+
+
+def _steps_of_call(model, handler):
     """The steps of the train function `fit` is calling now.
 
     `fit`'s data handler sets them (`step_increment + 1`: the
@@ -248,7 +264,6 @@ def _steps_of_call(model):
     `steps_per_execution` variable is read, as tf_keras's own function
     does.
     """
-    handler = tf_internals.running_fit_data_handler(model)
     increment = getattr(handler, "step_increment", None)
     if isinstance(increment, int) and increment >= 0:
         return increment + 1
@@ -305,7 +320,8 @@ class _WithSyncTotals(tf.distribute.experimental.coordinator.RemoteValue):
         if not isinstance(logs, dict):
             return logs
         totals = callbacks.sync_totals(self._optimizer)
-        del totals["accepted"]  # not one of fit's keys
+        del totals["accepted"]  # not fit's keys
+        del totals["over_plan_dropped"]
         return dict(logs, **{k: convert(v) for k, v in totals.items()})
 
     def fetch(self):

@@ -11,6 +11,16 @@ pushed meanwhile and no token is left, it logs a warning and releases the
 tokens the step still needs. Releasing a token is safe even when no token
 was lost (a slow step, say): a step's tag is read after its token, so a
 surplus token costs at most a wasted or dropped gradient, never a wrong one.
+
+The coordinator sees a worker fail long before `timeout`: it then calls
+`alarm_all`, and for the next `ALARM_WINDOW` seconds every watchdog
+releases a stalled step's tokens once `ALARM_TIMEOUT` seconds pass without
+progress (polling every `ALARM_POLL` s), so the job goes on within about a
+second of the failure instead of after `timeout`. The failed worker held at
+most one token per synchronous optimizer (a step takes its next token only
+after its push); releasing on a stall rather than per failed worker also
+covers a dequeue the dead worker left waiting on the ps, which takes the
+next token released.
 """
 
 from __future__ import annotations
@@ -28,6 +38,18 @@ from absl import logging
 # of the old cluster then crashes the process, not just the thread).
 _POLL_LOCK = threading.Lock()
 _LIVE = weakref.WeakSet()
+
+# After `alarm_all`: seconds without progress before tokens are released,
+# the poll period meanwhile, and how long the alarm lasts.
+ALARM_TIMEOUT = 0.5
+ALARM_POLL = 0.1
+ALARM_WINDOW = 30.0
+
+
+def alarm_all(reason: str) -> None:
+    """A worker failed (`reason` says which): see the module docstring."""
+    for dog in list(_LIVE):
+        dog.alarm(reason)
 
 
 def stop_all() -> None:
@@ -76,6 +98,9 @@ class TokenWatchdog:
         self.released = 0
         self._barrier = weakref.ref(barrier)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by `stop` and `alarm`
+        self._alarm_until = 0.0
+        self._alarm_reason = None
         self._thread = threading.Thread(
             target=self._run, name="tf2sync-token-watchdog", daemon=True
         )
@@ -84,10 +109,24 @@ class TokenWatchdog:
 
     def stop(self):
         self._stop.set()
+        self._wake.set()
+
+    def alarm(self, reason: str) -> None:
+        """Releases a stalled step's tokens fast for `ALARM_WINDOW` s."""
+        self._alarm_reason = reason
+        self._alarm_until = time.monotonic() + ALARM_WINDOW
+        self._wake.set()
+
+    def _alarmed(self) -> bool:
+        return time.monotonic() < self._alarm_until
 
     def _run(self):
         last, since = None, time.monotonic()
-        while not self._stop.wait(self.poll):
+        while True:
+            self._wake.wait(ALARM_POLL if self._alarmed() else self.poll)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             barrier = self._barrier()
             if barrier is None:
                 return
@@ -105,26 +144,42 @@ class TokenWatchdog:
             limit = self.timeout
             if state.drained and self.drain_timeout:
                 limit = min(limit, self.drain_timeout)
+            alarmed = self._alarmed()
+            if alarmed:
+                limit = min(limit, ALARM_TIMEOUT)
             if state.tokens > 0 or time.monotonic() - since < limit:
                 continue
             needed = max(1, state.required - state.pending)
-            logging.log(
-                logging.INFO if state.drained else logging.WARNING,
-                "tf2sync: no synchronous step for %.0f s and no token left "
-                "(step %d, %d of %d gradients): %s Releasing %d token(s).",
-                time.monotonic() - since,
-                state.step,
-                state.pending,
-                state.required,
-                "the last scheduled steps wait for a round no step will "
-                "complete."
-                if state.drained
-                else "a worker probably died holding a token.",
-                needed,
-            )
+            if alarmed:
+                logging.warning(
+                    "tf2sync: %s; step %d stalled at %d of %d gradients: "
+                    "releasing %d token(s).",
+                    self._alarm_reason,
+                    state.step,
+                    state.pending,
+                    state.required,
+                    needed,
+                )
+            else:
+                self._log_timeout(state, since, needed)
             with _POLL_LOCK:
                 if self._stop.is_set():
                     return
                 barrier.seed_tokens(needed)
             self.released += needed
             since = time.monotonic()
+
+    def _log_timeout(self, state, since, needed):
+        logging.log(
+            logging.INFO if state.drained else logging.WARNING,
+            "tf2sync: no synchronous step for %.0f s and no token left "
+            "(step %d, %d of %d gradients): %s Releasing %d token(s).",
+            time.monotonic() - since,
+            state.step,
+            state.pending,
+            state.required,
+            "the last scheduled steps wait for a round no step will complete."
+            if state.drained
+            else "a worker probably died holding a token.",
+            needed,
+        )

@@ -1,0 +1,139 @@
+"""Liveness: a worker that stops answering is treated as failed.
+
+PSS learns that a worker failed only from an error: a killed worker's
+closure fails at once, but a frozen one (SIGSTOP, a partition, a hung
+host) keeps its closure in flight, the epoch's `join` waits for it, and
+without backup workers its step's token is never pushed.
+
+`WorkerMonitor` runs on the coordinator. A thread per worker pings it (a
+scalar op run on the worker, with an executor of its own) every
+`timeout / 4` seconds; a worker whose ping has been unanswered for
+`timeout` seconds, while another worker answered meanwhile, is declared
+frozen:
+
+* its in-flight closure is put back in the queue (`tf_internals.
+  take_over_closure`), so another worker runs it and `join` does not wait;
+  whatever the frozen run returns later is ignored;
+* every token watchdog is alarmed (`watchdog.alarm_all`), so the token its
+  step held is released on the stall.
+
+When its pings are answered again the worker is alive again and takes
+closures as before. What the frozen run pushes once it wakes is stale (its
+tag is older than the global step) or counted against the epoch's plan
+(`Aggregator.plan_updates`): never applied twice. A ping that fails with an
+error (a killed worker) is PSS's to handle, not the monitor's; with a
+single worker nothing is ever declared (no other worker could take over).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+
+from absl import logging
+
+from tf2sync._src import tf_internals
+from tf2sync._src import watchdog
+
+_LIVE = weakref.WeakSet()
+
+
+def stop_all() -> None:
+    """Stops every monitor of this process (before connecting elsewhere)."""
+    for monitor in list(_LIVE):
+        monitor.stop()
+
+
+class WorkerMonitor:
+    """Declares frozen workers failed; see the module docstring.
+
+    Attributes:
+      declared: `(worker index, seconds unanswered)` of each declaration.
+    """
+
+    def __init__(self, coordinator, timeout: float, pinger=None):
+        """Starts the ping threads and the watch.
+
+        Args:
+          coordinator: The strategy's `SyncCoordinator`.
+          timeout: Seconds unanswered before a worker is declared frozen.
+          pinger: `pinger(device) -> ping()`, for tests; by default
+            `tf_internals.worker_pinger`.
+        """
+        self._pinger = pinger or tf_internals.worker_pinger
+        self.timeout = float(timeout)
+        self.period = max(0.05, self.timeout / 4)
+        self.declared = []
+        self._coordinator = weakref.ref(coordinator)
+        self._stop = threading.Event()
+        workers = tf_internals.coordinator_workers(coordinator)
+        now = time.monotonic()
+        # Per worker: when its last ping was answered, and whether it is
+        # declared frozen now.
+        self._answered = [now] * len(workers)
+        self._frozen = [False] * len(workers)
+        tf_internals.track_closures(coordinator)
+        for index, worker in enumerate(workers):
+            threading.Thread(
+                target=self._ping_loop,
+                args=(index, worker.device_name),
+                name=f"tf2sync-ping-worker-{index}",
+                daemon=True,
+            ).start()
+        threading.Thread(
+            target=self._watch, name="tf2sync-worker-monitor", daemon=True
+        ).start()
+        _LIVE.add(self)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _ping_loop(self, index, device):
+        ping = self._pinger(device)
+        while not self._stop.wait(self.period):
+            try:
+                ping()
+            except Exception:  # noqa: BLE001 - a dead worker: PSS's to handle
+                continue
+            self._answered[index] = time.monotonic()
+            if self._frozen[index]:
+                self._frozen[index] = False
+                logging.warning(
+                    "tf2sync: worker %d answers again; it takes functions "
+                    "as before.",
+                    index,
+                )
+
+    def _watch(self):
+        while not self._stop.wait(self.period):
+            now = time.monotonic()
+            silent = [now - t for t in self._answered]
+            for index, seconds in enumerate(silent):
+                others = [s for i, s in enumerate(silent) if i != index]
+                if (
+                    self._frozen[index]
+                    or seconds < self.timeout
+                    or not others
+                    or min(others) >= self.timeout
+                ):
+                    continue
+                self._declare(index, seconds)
+
+    def _declare(self, index, seconds):
+        coordinator = self._coordinator()
+        if coordinator is None:
+            self.stop()
+            return
+        self._frozen[index] = True
+        self.declared.append((index, seconds))
+        moved = tf_internals.take_over_closure(coordinator, index)
+        logging.warning(
+            "tf2sync: worker %d has not answered for %.1f s "
+            "(worker_timeout=%g): treated as failed%s.",
+            index,
+            seconds,
+            self.timeout,
+            "; its function runs again on another worker" if moved else "",
+        )
+        watchdog.alarm_all(f"worker {index} did not answer for {seconds:.0f} s")
