@@ -230,6 +230,75 @@ class AtomicCheckpointTest(absltest.TestCase):
         np.testing.assert_array_equal(model.get_weights()[0], saved)
 
 
+class TransientRetryTest(absltest.TestCase):
+    """The chief resumes after errors a peer's restart causes, boundedly."""
+
+    def _train(self, errors, checkpoint_dir="/tmp/ckpt"):
+        from unittest import mock
+
+        from tf2sync._src import chief
+
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(spec), rpc_layer="grpc"
+        )
+        outcomes = list(errors) + [{"accuracy": 1.0}]
+        calls = []
+
+        def once(*args):
+            calls.append(args)
+            outcome = outcomes[len(calls) - 1]
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        config = chief.ChiefConfig(checkpoint_dir=checkpoint_dir)
+        with (
+            mock.patch.object(chief, "_train_once", once),
+            mock.patch.object(chief.time, "sleep"),
+            mock.patch.object(chief.processes, "wait_for_port"),
+            self.assertLogs(level="WARNING") as logs,
+        ):
+            return chief.train(resolver, None, config), calls, logs
+
+    def _error(self, kind, task="/job:worker/replica:0/task:1"):
+        return kind(None, None, f"From {task}:\nUnable to parse request\nmore")
+
+    def test_transient_errors_are_retried_and_logged_in_one_line(self):
+        errors = [
+            self._error(tf.errors.InternalError),
+            self._error(tf.errors.AbortedError),
+        ]
+        result, calls, logs = self._train(errors)
+        self.assertEqual(result, {"accuracy": 1.0})
+        self.assertLen(calls, 3)
+        lines = [r.getMessage() for r in logs.records]
+        self.assertLen(lines, 2)
+        self.assertEqual(
+            lines[0],
+            "tf2sync: InternalError from /job:worker/replica:0/task:1: From "
+            "/job:worker/replica:0/task:1:; retry 1 of 3, then resuming "
+            "from the last checkpoint.",
+        )
+        self.assertNotIn("\n", lines[1])
+
+    def test_retries_are_bounded(self):
+        from tf2sync._src import chief
+
+        errors = [self._error(tf.errors.CancelledError)] * 4
+        with self.assertRaisesRegex(
+            RuntimeError,
+            r"^CancelledError from /job:worker/replica:0/task:1: .*\(after "
+            r"3 retries\)\.$",
+        ):
+            self._train(errors)
+        self.assertEqual(chief.MAX_TRANSIENT_RETRIES, 3)
+
+    def test_other_errors_fail_at_once(self):
+        with self.assertRaises(tf.errors.InvalidArgumentError):
+            self._train([self._error(tf.errors.InvalidArgumentError)])
+
+
 class OneTraceSaverTest(absltest.TestCase):
     def test_saves_trace_once_and_keep_the_newest(self):
         # TF traces (and registers with every task) a new function per save

@@ -175,32 +175,60 @@ class LaunchTest(parameterized.TestCase):
         self.assertNotEqual(out.returncode, 0)
         self.assertIn("--num_gpus=1 but this worker sees 0 GPU(s).", out.stderr)
 
-    def test_ctrl_c_ends_every_local_task(self):
+    @parameterized.named_parameters(
+        ("ctrl_c", signal.SIGINT, "", 130, "interrupted (Ctrl-C)"),
+        # `cmd &` in a non-interactive shell, many CI runners: SIGINT comes
+        # in ignored, and the launcher still handles it.
+        (
+            "ctrl_c_inherited_ignored",
+            signal.SIGINT,
+            "trap '' INT; ",
+            130,
+            "interrupted (Ctrl-C)",
+        ),
+        ("sigterm", signal.SIGTERM, "", 143, "terminated (SIGTERM)"),
+    )
+    def test_ctrl_c_ends_every_local_task(self, sig, trap, code, reason):
+        stderr_path = os.path.join(tempfile.mkdtemp(), "launcher.err")
         process = subprocess.Popen(
-            [sys.executable, "-m", "tf2sync", "--epochs=1000"],
+            [
+                "bash",
+                "-c",
+                trap + 'exec "$@"',
+                "bash",
+                sys.executable,
+                "-m",
+                "tf2sync",
+                "--epochs=1000",
+            ],
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=open(stderr_path, "w"),  # noqa: SIM115
             text=True,
-            env=_ENV,
+            **procutil.child_kwargs(_ENV),
         )
+        pids = []
         try:
-            pids = None
             for line in process.stdout:
                 match = re.search(r"pids=(\[.*\])", line)
                 if match:
                     pids = json.loads(match.group(1))
                 if "Epoch" in line or line.startswith("tf2sync: 2 workers"):
                     break
-            self.assertIsNotNone(pids)
-            process.send_signal(signal.SIGINT)
-            process.wait(timeout=60)
+            self.assertLen(pids, 3)
+            before = os.path.getsize(stderr_path)  # what training printed
+            process.send_signal(sig)
+            process.communicate(timeout=60)
         finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        self.assertNotEqual(process.returncode, 0)
+            procutil.kill(process)
+            procutil.kill_pids(pids)
+        with open(stderr_path) as f:
+            f.seek(before)
+            after = [line for line in f.read().splitlines() if line.strip()]
+        # One line after the signal: no traceback, no teardown noise.
+        self.assertEqual(after, [f"tf2sync: {reason}; stopped 3 local tasks."])
+        self.assertEqual(process.returncode, code)
         for pid in pids:
-            self.assertFalse(_alive(pid), f"task {pid} left behind")
+            self.assertFalse(procutil.running(pid), f"task {pid} left behind")
 
     def test_checkpoints_resume_and_the_evaluator_follows_them(self):
         directory = tempfile.mkdtemp()

@@ -1,15 +1,21 @@
 """Helpers for tests that start real processes (all on 127.0.0.1).
 
-Every process started here is ended by its PID, with SIGKILL if need be.
+Every process started here is ended by its PID, with SIGKILL if need be,
+and dies with the test's process (`processes.child_kwargs`: SIGKILL from the
+kernel on Linux, and a tf2sync process watches its parent itself).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
+
+from tf2sync._src import processes
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
@@ -19,6 +25,9 @@ ENV["PYTHONPATH"] = os.pathsep.join(
     p for p in (TESTS_DIR, os.environ.get("PYTHONPATH", "")) if p
 )
 
+# Popen arguments for a process that dies with the test's (see the top).
+child_kwargs = processes.child_kwargs
+
 
 def launch(args, env=None, timeout=240):
     """Runs `python -m tf2sync ARGS` to completion."""
@@ -26,8 +35,8 @@ def launch(args, env=None, timeout=240):
         [sys.executable, "-m", "tf2sync", *args],
         capture_output=True,
         text=True,
-        env=env or ENV,
         timeout=timeout,
+        **processes.child_kwargs(env or ENV),
     )
 
 
@@ -39,7 +48,7 @@ def start(args, env=None, stderr_path=None):
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
-        env=env or ENV,
+        **processes.child_kwargs(env or ENV),
     )
 
 
@@ -59,6 +68,39 @@ def alive(pid):
     except ProcessLookupError:
         return False
     return True
+
+
+def running(pid):
+    """Alive and not a zombie (an unreaped orphan has ended too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return alive(pid)
+
+
+def wait_gone(pids, seconds):
+    """Waits until no PID in `pids` runs; returns the seconds it took.
+
+    Raises AssertionError naming those still running after `seconds`.
+    """
+    start = time.monotonic()
+    while any(running(p) for p in pids):
+        if time.monotonic() - start > seconds:
+            left = [p for p in pids if running(p)]
+            raise AssertionError(f"still running after {seconds} s: {left}")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def kill_pids(pids):
+    """SIGKILL to each PID still running (processes not started here)."""
+    for pid in pids:
+        if running(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def kill(process):
@@ -101,9 +143,9 @@ class Tasks:
             args = []
         self.processes[(job, index)] = subprocess.Popen(
             [sys.executable, "-m", "tf2sync", *args],
-            env=task_env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            **processes.child_kwargs(task_env),
         )
 
     def kill(self, job, index):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 
 import tensorflow as tf
 import tf_keras
@@ -85,6 +86,92 @@ def _epoch_of(path: str) -> int:
     return int(os.path.basename(path).rsplit("-", 1)[1])
 
 
+def latest_epoch(directory: str):
+    """The newest checkpoint in `directory` and the epochs it completed.
+
+    Returns:
+      `(prefix, epoch)`, e.g. `("<dir>/ckpt-3", 3)`; `(None, 0)` where
+      `directory` holds none (or does not exist).
+    """
+    latest = tf.train.latest_checkpoint(directory)
+    if latest is None:
+        return None, 0
+    return latest, _epoch_of(latest)
+
+
+_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+def check_model_fits(build_model, directory: str) -> None:
+    """Refuses the newest checkpoint in `directory` if another model saved it.
+
+    Builds `build_model()` in a graph of its own: nothing is initialized or
+    run, and TensorFlow's eager runtime is left as it was (the chief's
+    devices and cluster connection are set later). Then compares, in the
+    order `tf.train.Checkpoint(model=...)` names them, the model's
+    variables with the checkpoint's: a variable the checkpoint lacks, one
+    of another shape, or (for a model that is built) one the checkpoint has
+    and the model lacks. The optimizer's variables are not compared (they
+    are created at the first step); `EpochCheckpoint.restore_latest` checks
+    those it can. Does nothing where `directory` holds no checkpoint, or
+    where the model cannot be built outside the chief's strategy.
+
+    Args:
+      build_model: The job's `build_model`.
+      directory: The chief's checkpoint directory.
+
+    Raises:
+      ValueError: One line naming the checkpoint and the first variable
+        that does not fit.
+    """
+    latest, _ = latest_epoch(directory)
+    if latest is None:
+        return
+    saved = tf.train.load_checkpoint(latest).get_variable_to_shape_map()
+    saved = {
+        key: list(shape)
+        for key, shape in saved.items()
+        if key.startswith("model/")
+        and key.endswith(_VALUE)
+        and ".OPTIMIZER_SLOT" not in key
+    }
+    try:
+        with tf.Graph().as_default():
+            model = build_model()
+            ours = [
+                (key, variable.name.split(":")[0], variable.shape.as_list())
+                for key, variable in _variables_by_key(
+                    tf.train.Checkpoint(model=model)
+                )
+            ]
+            built = bool(getattr(model, "built", True))
+    except Exception:  # noqa: BLE001 - left to restore_latest on the chief
+        return
+    hint = "Build the model it was saved from, or use another directory."
+    for key, name, shape in ours:
+        short = key[: -len(_VALUE)]
+        if key not in saved:
+            raise ValueError(
+                f"the checkpoint {latest} is of another model: it has no "
+                f"{short} (variable {name}, shape {shape}). {hint}"
+            )
+        if saved[key] != shape:
+            raise ValueError(
+                f"the checkpoint {latest} is of another model: it saved "
+                f"{short} with shape {saved[key]}, the model's (variable "
+                f"{name}) has shape {shape}. {hint}"
+            )
+    if not built or not ours:
+        return  # variables come at the first call: extra ones cannot tell
+    extra = sorted(set(saved) - {key for key, _, _ in ours})
+    if extra:
+        raise ValueError(
+            f"the checkpoint {latest} is of another model: it saved "
+            f"{extra[0][: -len(_VALUE)]} (shape {saved[extra[0]]}), which "
+            f"the model lacks. {hint}"
+        )
+
+
 class EpochCheckpoint(tf_keras.callbacks.Callback):
     """Saves model and optimizer after every epoch; restores on request."""
 
@@ -97,10 +184,12 @@ class EpochCheckpoint(tf_keras.callbacks.Callback):
             max_to_keep=max_to_keep,
             checkpoint_name="ckpt",
         )
+        # Saves through one traced function (see `OneTraceSaver`).
+        self._saver = OneTraceSaver(self._checkpoint, directory, max_to_keep)
 
     def restore_latest(self) -> int:
         """Restores the newest checkpoint; returns the epochs it completed."""
-        latest = self._manager.latest_checkpoint
+        latest = tf.train.latest_checkpoint(self._manager.directory)
         if latest is None:
             return 0
         check_shapes(self._checkpoint, latest)
@@ -109,7 +198,7 @@ class EpochCheckpoint(tf_keras.callbacks.Callback):
         return _epoch_of(latest)
 
     def on_epoch_end(self, epoch, logs=None):
-        self._manager.save(checkpoint_number=epoch + 1)
+        self._saver.save(epoch + 1)
 
 
 def evaluate_checkpoints(
@@ -162,3 +251,93 @@ def evaluate_checkpoints(
         if max_evaluations and len(results) >= max_evaluations:
             break
     return results
+
+
+class OneTraceSaver:
+    """`tf.train.CheckpointManager.save`, through one traced function.
+
+    TensorFlow writes a checkpoint whose variables live on several tasks
+    (the parameter servers and the chief) through a `tf.function` it traces
+    anew at every save, and the chief registers every new function with
+    every task of the cluster, waiting for each to answer: while a worker is
+    frozen, each save would wait for it (and so would the epoch). This
+    saver traces `tf.train.Checkpoint.write` once, with the path as an
+    argument, and again only when the checkpoint's variables change; a
+    function already registered runs on the parameter servers and the chief
+    only. It keeps the files as a `tf.train.CheckpointManager` with the same
+    arguments does: `<name>-<number>` in `directory`, the `checkpoint` state
+    file (relative paths; `tf.train.latest_checkpoint` and a new manager
+    read it) and the `max_to_keep` newest.
+    """
+
+    def __init__(self, checkpoint, directory, max_to_keep, name="ckpt"):
+        self._checkpoint = checkpoint
+        self._directory = directory
+        self._max_to_keep = max_to_keep
+        self._name = name
+        self._write = None
+        self._variables = None
+
+    def save(self, checkpoint_number: int) -> str:
+        """Writes checkpoint `<name>-<checkpoint_number>`; returns its path."""
+        checkpoint = self._checkpoint
+        # Counted as the manager counts saves (restores expect it saved).
+        checkpoint.save_counter.assign_add(1)
+        variables = _variable_ids(checkpoint)
+        if self._write is None or variables != self._variables:
+            self._write = tf.function(checkpoint.write, autograph=False)
+            self._variables = variables
+        directory = self._directory
+        tf.io.gfile.makedirs(directory)
+        path = os.path.join(directory, f"{self._name}-{checkpoint_number}")
+        self._write(tf.constant(path))
+        self._record(directory, path)
+        return path
+
+    def _record(self, directory, path):
+        """The state file lists `path` last, with the manager's timestamps;
+        checkpoints past `max_to_keep` are deleted."""
+        now = time.time()
+        state = tf.train.get_checkpoint_state(directory)
+        name = os.path.basename(path)
+        kept = []  # (basename, timestamp)
+        preserved = now - 1.0  # as a manager creating the directory
+        if state is not None:
+            preserved = state.last_preserved_timestamp
+            stamps = list(state.all_model_checkpoint_timestamps)
+            stamps += [preserved] * (
+                len(state.all_model_checkpoint_paths) - len(stamps)
+            )
+            kept = [
+                (os.path.basename(p), t)
+                for p, t in zip(state.all_model_checkpoint_paths, stamps)
+                if os.path.basename(p) != name
+            ]
+        kept.append((name, now))
+        keep = self._max_to_keep
+        if keep is not None and keep > 0:
+            for old, _ in kept[:-keep]:
+                for file in tf.io.gfile.glob(
+                    os.path.join(directory, old) + ".*"
+                ):
+                    tf.io.gfile.remove(file)
+            kept = kept[-keep:]
+        lines = [f'model_checkpoint_path: "{name}"']
+        lines += [f'all_model_checkpoint_paths: "{p}"' for p, _ in kept]
+        lines += [f"all_model_checkpoint_timestamps: {t!r}" for _, t in kept]
+        lines.append(f"last_preserved_timestamp: {preserved!r}")
+        temporary = os.path.join(directory, "checkpoint.tmp")
+        with tf.io.gfile.GFile(temporary, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        tf.io.gfile.rename(
+            temporary, os.path.join(directory, "checkpoint"), True
+        )
+
+
+def _variable_ids(checkpoint) -> tuple:
+    """The ids of every variable `checkpoint` saves, in its order."""
+    return tuple(
+        id(t)
+        for t in tf.train.TrackableView(checkpoint).descendants()
+        if isinstance(t, tf.Variable)
+    )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging as logging_lib
+import re
 import sys
 import time
 
@@ -11,6 +13,7 @@ from absl import logging
 
 from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import checkpointing
+from tf2sync._src import liveness
 from tf2sync._src import processes
 from tf2sync._src import sharding
 
@@ -31,6 +34,7 @@ class ChiefConfig:
     mixed_precision: str = "float32"
     sync_optimizer: str = "tf2sync"
     token_timeout: float | None = 60.0
+    worker_timeout: float | None = 60.0
     checkpoint_dir: str | None = None
     model_log_dir: str | None = None
     ps_restart_timeout: float = 300.0
@@ -132,6 +136,18 @@ def check_sync_optimizer(job, config: ChiefConfig) -> None:
         )
 
 
+# Errors a peer's restart can cause (a worker's gRPC stream cut mid-request:
+# "Unable to parse request"; a function aborted or cancelled with it): the
+# chief retries them from the last checkpoint, at most this many times.
+TRANSIENT_ERRORS = (
+    tf.errors.InternalError,
+    tf.errors.AbortedError,
+    tf.errors.CancelledError,
+)
+MAX_TRANSIENT_RETRIES = 3
+_TASK = re.compile(r"/job:\w+/replica:\d+/task:\d+")
+
+
 def train(resolver, job, config: ChiefConfig):
     """Trains as chief; after a ps failure, waits, restores and goes on.
 
@@ -139,32 +155,43 @@ def train(resolver, job, config: ChiefConfig):
     With `checkpoint_dir`, the chief waits up to `ps_restart_timeout`
     seconds for every ps to answer again, rebuilds strategy, model and
     optimizer on the restarted ps, restores the last epoch checkpoint and
-    continues: at most one epoch of work is lost. Without `checkpoint_dir`,
-    or when no ps comes back in time, it raises a `RuntimeError` naming the
-    parameter servers.
+    continues: at most one epoch of work is lost. Errors a peer's restart
+    causes (`TRANSIENT_ERRORS`) resume the same way, at most
+    `MAX_TRANSIENT_RETRIES` times in a run, each logged in one line.
+    Without `checkpoint_dir`, when no ps comes back in time, or past the
+    retries, it raises a `RuntimeError` naming the task in the error.
 
     Returns:
       A dict: accuracy, sync_steps_applied, stale_gradients_dropped, seconds.
     """
     ps_hosts = resolver.cluster_spec().as_dict()["ps"]
+    retries = 0
+    _quiet_coordinator_errors()
     while True:
         try:
             return _train_once(resolver, job, config)
-        except tf.errors.UnavailableError as error:
+        except (tf.errors.UnavailableError, *TRANSIENT_ERRORS) as error:
+            lost = isinstance(error, tf.errors.UnavailableError)
+            cause = _one_line(error)
             if not config.checkpoint_dir:
                 raise RuntimeError(
-                    f"A task is unreachable ({error.message.splitlines()[0]}"
-                    f"). Parameter servers: {ps_hosts}. Without "
+                    f"{cause}. Parameter servers: {ps_hosts}. Without "
                     "--checkpoint_dir the chief cannot resume: rerun with "
                     "it to survive a ps restart."
                 ) from None
+            if not lost:
+                retries += 1
+                if retries > MAX_TRANSIENT_RETRIES:
+                    raise RuntimeError(
+                        f"{cause} (after {MAX_TRANSIENT_RETRIES} retries)."
+                    ) from None
             logging.warning(
-                "tf2sync: lost a task (%s); waiting up to %.0f s for the "
-                "parameter servers %s, then resuming from the last "
-                "checkpoint.",
-                error.message.splitlines()[0],
-                config.ps_restart_timeout,
-                ps_hosts,
+                "tf2sync: %s; %s, then resuming from the last checkpoint.",
+                cause,
+                f"waiting up to {config.ps_restart_timeout:.0f} s for the "
+                f"parameter servers {ps_hosts}"
+                if lost
+                else f"retry {retries} of {MAX_TRANSIENT_RETRIES}",
             )
             time.sleep(1.0)
             try:
@@ -174,6 +201,39 @@ def train(resolver, job, config: ChiefConfig):
                 raise RuntimeError(
                     f"The parameter server did not come back: {timeout}"
                 ) from None
+
+
+def _one_line(error) -> str:
+    """`error` in one line: its type, the task it names, its first line."""
+    text = str(getattr(error, "message", "") or error)
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    task = _TASK.search(text)
+    where = f" from {task.group(0)}" if task else ""
+    return f"{type(error).__name__}{where}: {first.strip()[:160]}"
+
+
+class _FirstLineOnly(logging_lib.Filter):
+    """Cuts PSS's closure-error records to their first line.
+
+    When a task dies, every in-flight function logs its whole error
+    (hundreds of lines of remote tracebacks); tf2sync logs the cause once.
+    """
+
+    def filter(self, record):
+        if record.levelno >= logging_lib.ERROR and record.pathname.endswith(
+            "cluster_coordinator.py"
+        ):
+            message = record.getMessage()
+            record.msg = message.splitlines()[0][:300] if message else ""
+            record.args = ()
+        return True
+
+
+def _quiet_coordinator_errors():
+    for name in ("tensorflow", "absl"):
+        logger = logging_lib.getLogger(name)
+        if not any(isinstance(f, _FirstLineOnly) for f in logger.filters):
+            logger.addFilter(_FirstLineOnly())
 
 
 def _train_once(resolver, job, config: ChiefConfig):
@@ -219,6 +279,7 @@ def _strategy(resolver, config: ChiefConfig, rta: int, total: int):
         replicas_to_aggregate=rta,
         total_num_replicas=total,
         token_timeout=config.token_timeout,
+        worker_timeout=config.worker_timeout,
         variable_partitioner=variable_partitioner(config, num_ps),
     )
 
@@ -300,6 +361,8 @@ def _fit(model, job, config: ChiefConfig, steps: int, shim: bool) -> float:
         lambda ctx: job.train_dataset(ctx, batch)
     )
     callbacks, initial_epoch = _callbacks(model, config, shim)
+    if hasattr(job, "callbacks"):  # the job's own (benchmarks/chaos.py)
+        callbacks += job.callbacks()
     start = time.monotonic()
     model.fit(
         data,
@@ -349,7 +412,12 @@ def _evaluate(job, model):
     x, y = job.eval_arrays()
     local = job.build_model()
     local.set_weights(sharding.whole_weights(model.weights))
-    local.compile(loss=job.LOSS, metrics=list(job.METRICS))
+    # A new function would wait for a frozen worker (see liveness.py).
+    local.compile(
+        loss=job.LOSS,
+        metrics=list(job.METRICS),
+        run_eagerly=liveness.any_frozen(),
+    )
     values = local.evaluate(x, y, verbose=0, return_dict=True)
     metrics = {k: float(v) for k, v in values.items()}
     print(
@@ -387,13 +455,18 @@ def _sync_totals(optimizer, accuracy, seconds: float, num_workers: int):
         "accepted_per_worker": [
             counts[f"accepted_w{i}"] for i in range(num_workers)
         ],
+        "over_plan_dropped": counts["over_plan_dropped"],
         "seconds": round(seconds, 2),
     }
+    # Pushes of functions re-run after a fault, dropped once an epoch had
+    # its planned updates (see `Aggregator.plan_updates`).
+    over = totals["over_plan_dropped"]
     print(
         f"accuracy={totals['accuracy']:.4f} "
         f"sync_steps_applied={totals['sync_steps_applied']} "
         f"stale_gradients_dropped={totals['stale_gradients_dropped']} "
-        f"accepted_per_worker={totals['accepted_per_worker']}",
+        f"accepted_per_worker={totals['accepted_per_worker']}"
+        + (f" over_plan_dropped={over}" if over else ""),
         flush=True,
     )
     return totals

@@ -25,9 +25,7 @@ import importlib
 import ipaddress
 import json
 import os
-import signal
 import sys
-import time
 
 from absl import app
 from absl import flags
@@ -94,7 +92,8 @@ _TOTAL_NUM_REPLICAS = flags.DEFINE_integer(
 _JOB_MODULE = flags.DEFINE_string(
     "job_module",
     "tf2sync._src.jobs.digits",
-    "Module with build_model, train_dataset, eval_arrays, LOSS, METRICS "
+    "Module with build_model, train_dataset, eval_arrays, "
+    "num_train_examples (unless --steps_per_epoch), LOSS, METRICS "
     "(see jobs/digits.py); it may define flags of its own and "
     "FLAG_DEFAULTS for the launcher's (jobs/clicks.py).",
 )
@@ -149,6 +148,13 @@ _TOKEN_TIMEOUT = flags.DEFINE_float(
     "Seconds without a synchronous step and without tokens after which the "
     "chief releases the tokens a dead worker took (0: never).",
 )
+_WORKER_TIMEOUT = flags.DEFINE_float(
+    "worker_timeout",
+    60.0,
+    "Chief: seconds a worker may leave the chief's pings unanswered "
+    "(frozen, partitioned) before it is treated as failed: its function "
+    "runs again on another worker and its token is released (0: never).",
+)
 _PS_RESTART_TIMEOUT = flags.DEFINE_float(
     "ps_restart_timeout",
     300.0,
@@ -162,7 +168,12 @@ _CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir",
     None,
     "Chief: save model and optimizer after every epoch and resume from the "
-    "latest on restart. Evaluator: the checkpoints to evaluate.",
+    "latest on restart (created if missing). Refused at once (exit code 2) "
+    "if it is a file or not writable, if its latest checkpoint is of "
+    "another model, or if that checkpoint finished more epochs than "
+    "--epochs (nothing to train); one that finished exactly --epochs "
+    "trains nothing and evaluates the model. Evaluator: the checkpoints to "
+    "evaluate.",
 )
 _MODEL_LOG_DIR = flags.DEFINE_string(
     "model_log_dir",
@@ -236,6 +247,73 @@ def _check_num_ps(num_ps):
         )
 
 
+def _check_input():
+    """Refuses bad flags, TF_CONFIG, job module or checkpoint directory.
+
+    One line naming the flag (or TF_CONFIG) and the value, absl's usage
+    error (exit code 2), from `main` before any task starts and before the
+    chief connects (see `flag_checks`). ps and worker tasks check the
+    flags and TF_CONFIG only.
+    """
+    from tf2sync._src import flag_checks
+
+    flag_checks.check_positive_ints(
+        {
+            h.name: h.value
+            for h in (
+                _REPLICAS_TO_AGGREGATE,
+                _TOTAL_NUM_REPLICAS,
+                _BATCH_SIZE,
+                _EPOCHS,
+                _STEPS_PER_EPOCH,
+                _STEPS_PER_EXECUTION,
+                _MAX_EVALUATIONS,
+            )
+        }
+    )
+    flag_checks.check_non_negative(
+        {
+            h.name: h.value
+            for h in (_TOKEN_TIMEOUT, _WORKER_TIMEOUT, _PS_RESTART_TIMEOUT)
+        }
+    )
+    flag_checks.check_positive(
+        {h.name: h.value for h in (_CONNECT_TIMEOUT, _EVAL_TIMEOUT)}
+    )
+    role = _JOB_NAME.value
+    if role is None and os.environ.get("TF_CONFIG"):
+        config = flag_checks.parse_tf_config(os.environ["TF_CONFIG"])
+        role = config["task"]["type"]
+    elif role is None:
+        _local_workers_and_ps()  # this process is the chief
+        role = "chief"
+    if role in ("ps", "worker"):
+        return
+    evaluator = role == "evaluator"
+    directory = _CHECKPOINT_DIR.value
+    flag_checks.check_checkpoint_dir(directory, writable=not evaluator)
+    job = _load_job()
+    flag_checks.check_job_api(
+        job,
+        _JOB_MODULE.value,
+        evaluator=evaluator,
+        steps_per_epoch=_STEPS_PER_EPOCH.value,
+    )
+    if not directory:
+        return
+    from tf2sync._src import checkpointing
+
+    try:
+        checkpointing.check_model_fits(job.build_model, directory)
+    except ValueError as e:
+        raise app.UsageError(
+            f"--checkpoint_dir={directory}: {e}", exitcode=2
+        ) from None
+    if not evaluator:
+        latest, done = checkpointing.latest_epoch(directory)
+        flag_checks.check_epochs_left(directory, latest, done, _EPOCHS.value)
+
+
 def _local_workers_and_ps():
     """--local_cluster's WORKERS,PS, with --num_ps's PS (see its help)."""
     workers, ps = _parse_local_cluster(_LOCAL_CLUSTER.value)
@@ -261,7 +339,8 @@ def _parse_local_cluster(value):
     if len(parts) != 2 or workers <= 0 or ps <= 0:
         raise app.UsageError(
             "--local_cluster must be WORKERS,PS with positive ints. "
-            f"Received: --local_cluster={value}"
+            f"Received: --local_cluster={value}",
+            exitcode=2,
         )
     return workers, ps
 
@@ -287,7 +366,8 @@ def _spec_from_flags():
         raise app.UsageError(
             "--job_name needs --ps_hosts and --worker_hosts. Received: "
             f"--ps_hosts={','.join(_PS_HOSTS.value)} "
-            f"--worker_hosts={','.join(_WORKER_HOSTS.value)}"
+            f"--worker_hosts={','.join(_WORKER_HOSTS.value)}",
+            exitcode=2,
         )
     spec = {"ps": _PS_HOSTS.value, "worker": _WORKER_HOSTS.value}
     if _CHIEF_HOST.value:
@@ -296,19 +376,27 @@ def _spec_from_flags():
     if job in spec and _TASK_INDEX.value >= len(spec[job]):
         raise app.UsageError(
             f"--task_index={_TASK_INDEX.value} but --{job}_hosts names "
-            f"{len(spec[job])} task(s)."
+            f"{len(spec[job])} task(s).",
+            exitcode=2,
         )
     if job == "chief" and "chief" not in spec:
-        raise app.UsageError("--job_name=chief needs --chief_host.")
+        raise app.UsageError("--job_name=chief needs --chief_host.", exitcode=2)
     _warn_public([h for hosts in spec.values() for h in hosts])
     return spec
 
 
 def _serve(spec, job, index):
-    """Runs a ps or worker server until SIGTERM/SIGINT."""
+    """Runs a ps or worker server until SIGTERM/SIGINT (or its parent ends).
+
+    SIGTERM and SIGINT exit 0 at once, whatever disposition the task
+    inherited. A local task (started with `processes.child_kwargs`) also
+    exits when its launcher is gone (`processes.exit_with_parent`, from
+    `main`).
+    """
     import tensorflow as tf
 
     from tf2sync._src import cluster as cluster_lib
+    from tf2sync._src import processes
 
     _place_devices(job)
     num_workers = len(spec.get("worker", []))
@@ -321,13 +409,7 @@ def _serve(spec, job, index):
         start=True,
     )
     logging.info("Serving %s:%d at %s", job, index, server.target)
-    # In-process servers cannot be stopped: exit the process on a signal.
-    # Python runs signal handlers only between bytecodes, never while the
-    # main thread waits in `server.join()`, so wait in Python instead.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: os._exit(0))
-    while server is not None:  # keeps the server referenced
-        time.sleep(3600)
+    processes.serve_forever(server)  # exits the process on a signal
 
 
 def _place_devices(job):
@@ -365,6 +447,7 @@ def _chief_config():
         mixed_precision=_MIXED_PRECISION.value,
         sync_optimizer=_SYNC_OPTIMIZER.value,
         token_timeout=_TOKEN_TIMEOUT.value or None,
+        worker_timeout=_WORKER_TIMEOUT.value or None,
         checkpoint_dir=_CHECKPOINT_DIR.value,
         model_log_dir=_MODEL_LOG_DIR.value,
         ps_restart_timeout=_PS_RESTART_TIMEOUT.value,
@@ -381,6 +464,13 @@ def train(resolver, job):
 
 
 def main(argv):
+    from tf2sync._src import processes
+
+    # First of all: a local task ends with its launcher, and SIGINT /
+    # SIGTERM end this process (one line, exit 130 / 143), whatever
+    # disposition it inherited. `_serve` makes them exit 0 in a task.
+    processes.exit_with_parent()
+    processes.exit_on_signals()
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if not flags.FLAGS["verbosity"].present:
@@ -389,12 +479,37 @@ def main(argv):
 
         tf.get_logger().setLevel("WARNING")
     _check_sharding_flags()
-    code = _main()
+    _check_input()  # bad input: one line, exit 2, before any task starts
+    try:
+        code = _main()
+    except app.UsageError:
+        raise  # absl prints it with the usage hint, exit 2 (its exitcode)
+    except Exception as error:  # noqa: BLE001 - the error, then no teardown
+        code = _report_error(error)
     # Remote resources cannot be deleted once the tasks are gone; skip the
     # interpreter's teardown, which would try (and log every failure).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    processes.end_process(code)
+
+
+def _report_error(error):
+    """Ends stderr with `error` on one line (`--verbosity=1`: traceback too).
+
+    Returns the exit code, 1.
+    """
+    import traceback
+
+    hint = " (--verbosity=1 prints the traceback)"
+    if logging.get_verbosity() >= logging.DEBUG:
+        traceback.print_exception(error)
+        hint = ""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    more = " ..." if first != text else ""
+    print(
+        f"tf2sync: {type(error).__name__}: {first}{more}{hint}",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _main():
@@ -432,8 +547,7 @@ def _main():
     cluster = processes.LocalProcessCluster(
         workers, ps, log_dir=_TASK_LOG_DIR.value
     )
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
+    try:  # a signal meanwhile stops the cluster: processes.exit_on_signals
         resolver = cluster.start(timeout=_CONNECT_TIMEOUT.value)
         print(f"tf2sync: local task pids={cluster.pids}", flush=True)
         train(resolver, job)
@@ -458,14 +572,15 @@ def _load_job():
             raise  # the job module itself imports something missing
         raise app.UsageError(
             f"--job_module={name}: no module named {e.name!r} in the working "
-            f"directory ({os.getcwd()}) or the installed packages."
+            f"directory ({os.getcwd()}) or the installed packages.",
+            exitcode=2,
         ) from None
     from tf2sync._src import chief
 
     try:
         chief.check_sync_optimizer(job, _chief_config())
     except ValueError as e:
-        raise app.UsageError(str(e)) from None
+        raise app.UsageError(str(e), exitcode=2) from None
     return job
 
 
@@ -476,7 +591,8 @@ def _evaluate(job):
     if not _CHECKPOINT_DIR.value:
         raise app.UsageError(
             "--job_name=evaluator needs --checkpoint_dir (where the chief "
-            "saves its checkpoints)."
+            "saves its checkpoints).",
+            exitcode=2,
         )
     checkpointing.evaluate_checkpoints(
         job.build_model,
@@ -512,7 +628,8 @@ def _main_tf_config(job):
     if not spec.get("ps") or not spec.get("worker"):
         raise app.UsageError(
             "TF_CONFIG must name 'ps' and 'worker' tasks. Received cluster: "
-            f"{spec}"
+            f"{spec}",
+            exitcode=2,
         )
     _warn_public([h for hosts in spec.values() for h in hosts])
     _check_num_ps(len(spec["ps"]))

@@ -39,6 +39,15 @@ from tf2sync._src import watchdog
 _LIVE = weakref.WeakSet()
 
 
+def any_frozen() -> bool:
+    """Whether a monitor of this process holds a worker frozen now.
+
+    While one does, a function the chief traces waits for it (the chief
+    registers every new function with every task): run eagerly instead.
+    """
+    return any(any(m._frozen) for m in list(_LIVE))
+
+
 def stop_all() -> None:
     """Stops every monitor of this process (before connecting elsewhere)."""
     for monitor in list(_LIVE):

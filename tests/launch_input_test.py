@@ -1,0 +1,373 @@
+"""Bad input refused before anything starts (the launcher as a subprocess).
+
+Each bad input ends the launcher at once with absl's usage error (exit code
+2) and one meaningful line on stderr naming the flag (or TF_CONFIG) and the
+value: no task is started, nothing connects, no checkpoint is touched.
+"""
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import procutil
+import pytest
+from absl import app
+from absl.testing import absltest
+from absl.testing import parameterized
+
+import tf2sync
+
+pytestmark = pytest.mark.slow
+
+# What of stderr is not the error: TensorFlow's C++ log lines, absl's
+# pre-init notice, and the usage hint absl prints (__main__'s docstring).
+_NOISE = re.compile(
+    r"^([IWEF]\d{4} |WARNING: All log messages before absl::InitializeLog"
+    r"|To enable the following instructions"
+    r"|`python -m tf2sync`: the launcher)"
+)
+_FAST_S = 30  # TensorFlow's import alone takes several seconds here
+
+
+def _meaningful(stderr):
+    return [
+        line for line in stderr.splitlines() if line and not _NOISE.match(line)
+    ]
+
+
+def _run(args, env=None):
+    """`python -m tf2sync ARGS`: (returncode, stdout, stderr, seconds).
+
+    The launcher, and any task pids it prints, are ended by PID at the end.
+    """
+    start = time.monotonic()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tf2sync", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or procutil.ENV,
+    )
+    out = err = ""
+    try:
+        out, err = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        match = re.search(r"pids=(\[.*\])", out or "")
+        for pid in json.loads(match.group(1)) if match else []:
+            if procutil.alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    return process.returncode, out, err, time.monotonic() - start
+
+
+def _snapshot(directory):
+    """{file name: (size, mtime, sha256)} of `directory`."""
+    found = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        stat = os.stat(path)
+        found[name] = (stat.st_size, stat.st_mtime_ns, digest)
+    return found
+
+
+def _save(directory, layers, epoch):
+    """A checkpoint of `Sequential(layers)` as the chief names it."""
+    import tensorflow as tf
+
+    model = tf.keras.Sequential(layers)
+    checkpoint = tf.train.Checkpoint(
+        model=model, optimizer=tf.keras.optimizers.SGD(0.1)
+    )
+    tf.train.CheckpointManager(
+        checkpoint, directory, max_to_keep=3, checkpoint_name="ckpt"
+    ).save(checkpoint_number=epoch)
+
+
+def _digits_layers(extra=()):
+    import tensorflow as tf
+
+    return [
+        tf.keras.layers.Reshape((8, 8, 1), input_shape=(64,)),
+        tf.keras.layers.Conv2D(16, 3, activation="relu", name="conv"),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(10, activation="softmax", name="dense"),
+        *extra,
+    ]
+
+
+class BadInputTest(parameterized.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        import fault_job
+        import tensorflow as tf
+
+        cls.root = tempfile.mkdtemp()
+        cls.file = os.path.join(cls.root, "a_file")
+        with open(cls.file, "w") as f:
+            f.write("not a directory\n")
+        cls.dirs = {}
+        for name, layers, epoch in (
+            # The default job (digits) at epoch 5.
+            ("finished", _digits_layers, 5),
+            # fault_job's Dense(16) on 8 inputs: another first kernel.
+            ("other_shape", lambda: fault_job.build_model().layers, 1),
+            # digits' conv alone: no dense layer.
+            ("fewer_variables", lambda: _digits_layers()[:2], 1),
+            # digits and one more dense layer.
+            (
+                "more_variables",
+                lambda: _digits_layers([tf.keras.layers.Dense(4)]),
+                1,
+            ),
+        ):
+            directory = os.path.join(cls.root, name)
+            _save(directory, layers(), epoch)
+            cls.dirs[name] = directory
+        cls.job_dir = os.path.join(cls.root, "jobs")
+        os.makedirs(cls.job_dir)
+        with open(os.path.join(cls.job_dir, "half_job.py"), "w") as f:
+            f.write(
+                '"""A job module with a model only."""\n\n'
+                "LOSS = 'mse'\n\n\ndef build_model():\n    return None\n"
+            )
+
+    def _check_refused(self, args, line, env=None, directory=None):
+        before = _snapshot(directory) if directory else None
+        code, out, err, seconds = _run(args, env=env)
+        self.assertEqual(code, 2, err[-3000:])
+        self.assertEqual(_meaningful(err), [line], err[-3000:])
+        self.assertNotIn("Traceback", err)
+        self.assertNotIn("local task pids", out)  # nothing started
+        self.assertLess(seconds, _FAST_S, "took the time of a cluster")
+        if directory:
+            self.assertEqual(_snapshot(directory), before, "checkpoint changed")
+
+    @parameterized.named_parameters(
+        ("replicas_to_aggregate_0", "--replicas_to_aggregate=0"),
+        ("replicas_to_aggregate_negative", "--replicas_to_aggregate=-1"),
+        ("total_num_replicas_0", "--total_num_replicas=0"),
+        ("batch_size_negative", "--batch_size=-1"),
+        ("epochs_0", "--epochs=0"),
+        ("steps_per_execution_0", "--steps_per_execution=0"),
+        ("steps_per_epoch_0", "--steps_per_epoch=0"),
+    )
+    def test_non_positive_count(self, arg):
+        self._check_refused([arg], f"{arg}: must be a positive integer.")
+
+    @parameterized.named_parameters(
+        ("token_timeout", "--token_timeout=-1", ">= 0"),
+        ("worker_timeout", "--worker_timeout=-1", ">= 0"),
+        ("connect_timeout", "--connect_timeout=0", "> 0"),
+    )
+    def test_bad_timeout(self, arg, bound):
+        self._check_refused([arg], f"{arg}: must be {bound}.")
+
+    def test_checkpoint_dir_is_a_file(self):
+        self._check_refused(
+            [f"--checkpoint_dir={self.file}"],
+            f"--checkpoint_dir={self.file}: is a file, not a directory.",
+        )
+
+    def test_checkpoint_dir_under_a_file(self):
+        path = os.path.join(self.file, "ckpt")
+        self._check_refused(
+            [f"--checkpoint_dir={path}"],
+            f"--checkpoint_dir={path}: cannot be created: {self.file} is a "
+            "file.",
+        )
+
+    def test_checkpoint_dir_not_writable(self):
+        if os.geteuid() == 0:
+            self.skipTest("root writes into a 0o500 directory")
+        directory = tempfile.mkdtemp()
+        os.chmod(directory, 0o500)
+        try:
+            self._check_refused(
+                [f"--checkpoint_dir={directory}"],
+                f"--checkpoint_dir={directory}: the directory is not writable.",
+            )
+            missing = os.path.join(directory, "ckpt")
+            self._check_refused(
+                [f"--checkpoint_dir={missing}"],
+                f"--checkpoint_dir={missing}: cannot be created: "
+                f"{directory} is not writable.",
+            )
+        finally:
+            os.chmod(directory, 0o700)
+
+    def test_job_module_without_the_job_api(self):
+        env = dict(procutil.ENV)
+        env["PYTHONPATH"] = os.pathsep.join([self.job_dir, env["PYTHONPATH"]])
+        self._check_refused(
+            ["--job_module=half_job"],
+            "--job_module=half_job: the module lacks train_dataset(), "
+            "eval_arrays(), num_train_examples(), METRICS (a job defines "
+            "build_model, train_dataset, eval_arrays, num_train_examples, "
+            "LOSS, METRICS; see tf2sync/_src/jobs/digits.py).",
+            env=env,
+        )
+
+    @parameterized.named_parameters(
+        (
+            "worker_index_past_the_workers",
+            {"type": "worker", "index": 5},
+            "TF_CONFIG task type='worker' index=5: the cluster names 2 "
+            "worker task(s), index 0 to 1.",
+        ),
+        (
+            "chief_without_a_chief",
+            {"type": "chief", "index": 0},
+            "TF_CONFIG task type='chief' index=0: the cluster names no chief "
+            "task (it names ps, worker).",
+        ),
+    )
+    def test_tf_config_task_not_in_its_cluster(self, task, line):
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        del spec["chief"]
+        env = dict(procutil.ENV)
+        env["TF_CONFIG"] = json.dumps({"cluster": spec, "task": task})
+        self._check_refused([], line, env=env)
+
+    @parameterized.named_parameters(
+        (
+            "other_shape",
+            "other_shape",
+            "it saved model/layer_with_weights-0/kernel with shape [8, 16], "
+            "the model's (variable conv/kernel) has shape [3, 3, 1, 16].",
+        ),
+        (
+            "fewer_variables",
+            "fewer_variables",
+            "it has no model/layer_with_weights-1/kernel (variable "
+            "dense/kernel, shape [576, 10]).",
+        ),
+        (
+            "more_variables",
+            "more_variables",
+            "it saved model/layer_with_weights-2/bias (shape [4]), which the "
+            "model lacks.",
+        ),
+    )
+    def test_checkpoint_of_another_model(self, name, what):
+        directory = self.dirs[name]
+        self._check_refused(
+            [f"--checkpoint_dir={directory}", "--epochs=10"],
+            f"--checkpoint_dir={directory}: the checkpoint {directory}/ckpt-1 "
+            f"is of another model: {what} Build the model it was saved from, "
+            "or use another directory.",
+            directory=directory,
+        )
+
+    def test_finished_checkpoint_with_fewer_epochs(self):
+        directory = self.dirs["finished"]
+        self._check_refused(
+            [f"--checkpoint_dir={directory}", "--epochs=3"],
+            f"--checkpoint_dir={directory}: the checkpoint ckpt-5 already "
+            "finished epoch 5 of --epochs=3, nothing to train (pass --epochs "
+            "above 5 to train on, or another --checkpoint_dir).",
+            directory=directory,
+        )
+
+    def test_evaluator_refuses_another_models_checkpoint(self):
+        directory = self.dirs["other_shape"]
+        code, out, err, _ = _run(
+            ["--job_name=evaluator", f"--checkpoint_dir={directory}"]
+        )
+        self.assertEqual(code, 2, err[-3000:])
+        self.assertLen(_meaningful(err), 1, err[-3000:])
+        self.assertIn("is of another model", err)
+        self.assertNotIn("eval epoch=", out)
+
+
+class FlagChecksTest(parameterized.TestCase):
+    """The pure checks, in process: what they let through."""
+
+    def test_checkpoint_dir_created_if_missing(self):
+        from tf2sync._src import flag_checks
+
+        root = tempfile.mkdtemp()
+        for path in (root, f"{root}/new", f"{root}/new/deeper", "gs://b/x"):
+            flag_checks.check_checkpoint_dir(path, writable=True)
+        flag_checks.check_checkpoint_dir(None, writable=True)
+
+    def test_evaluator_may_wait_for_a_missing_dir_but_not_a_file(self):
+        from tf2sync._src import flag_checks
+
+        root = tempfile.mkdtemp()
+        flag_checks.check_checkpoint_dir(f"{root}/later", writable=False)
+        with open(f"{root}/f", "w"):
+            pass
+        with self.assertRaises(app.UsageError) as raised:
+            flag_checks.check_checkpoint_dir(f"{root}/f", writable=False)
+        self.assertEqual(raised.exception.exitcode, 2)
+
+    def test_num_train_examples_not_needed_with_steps_per_epoch(self):
+        import fault_job
+
+        from tf2sync._src import flag_checks
+
+        class Job:
+            build_model = train_dataset = eval_arrays = staticmethod(len)
+            LOSS, METRICS = "mse", []
+
+        flag_checks.check_job_api(
+            Job, "job", evaluator=False, steps_per_epoch=3
+        )
+        flag_checks.check_job_api(
+            Job, "job", evaluator=True, steps_per_epoch=None
+        )
+        flag_checks.check_job_api(
+            fault_job, "fault_job", evaluator=False, steps_per_epoch=None
+        )
+        with self.assertRaisesRegex(app.UsageError, "num_train_examples"):
+            flag_checks.check_job_api(
+                Job, "job", evaluator=False, steps_per_epoch=None
+            )
+
+    def test_evaluator_need_not_be_in_the_cluster(self):
+        from tf2sync._src import flag_checks
+
+        text = json.dumps(
+            {
+                "cluster": {"ps": ["a:1"], "worker": ["b:1"]},
+                "task": {"type": "evaluator", "index": 0},
+            }
+        )
+        self.assertEqual(
+            flag_checks.parse_tf_config(text)["task"]["type"], "evaluator"
+        )
+
+    def test_exactly_finished_checkpoint_is_let_through(self):
+        from tf2sync._src import flag_checks
+
+        flag_checks.check_epochs_left("d", "d/ckpt-3", 3, 3)
+        flag_checks.check_epochs_left("d", None, 0, 1)
+        with self.assertRaisesRegex(app.UsageError, "finished epoch 4"):
+            flag_checks.check_epochs_left("d", "d/ckpt-4", 4, 3)
+
+    def test_a_checkpoint_of_this_model_fits(self):
+        from tf2sync._src import checkpointing
+        from tf2sync._src.jobs import digits
+
+        directory = tempfile.mkdtemp()
+        _save(directory, _digits_layers(), 2)
+        checkpointing.check_model_fits(digits.build_model, directory)
+        checkpointing.check_model_fits(digits.build_model, directory + "/none")
+        self.assertEqual(
+            checkpointing.latest_epoch(directory), (f"{directory}/ckpt-2", 2)
+        )
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,178 @@
+"""The launcher's input checks: bad input refused before anything starts.
+
+Each check raises absl's `app.UsageError` (exit code 2: absl prints the
+usage hint and the message) with one line that names the flag, or
+`TF_CONFIG`, and the value received. `launch.py` runs them all from one
+place (`launch._check_input`), before any task starts and before the chief
+connects. Nothing here imports TensorFlow; what a checkpoint holds is
+checked by `checkpointing.check_model_fits`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app
+
+# What the chief uses of a job module (`chief.py`); `num_train_examples`
+# only without --steps_per_epoch. The evaluator uses `_EVALUATOR_API`.
+_CHIEF_API = (
+    "build_model",
+    "train_dataset",
+    "eval_arrays",
+    "num_train_examples",
+    "LOSS",
+    "METRICS",
+)
+_EVALUATOR_API = ("build_model", "eval_arrays", "LOSS", "METRICS")
+_FUNCTIONS = {
+    "build_model",
+    "train_dataset",
+    "eval_arrays",
+    "num_train_examples",
+}
+_TASK_TYPES = ("chief", "ps", "worker", "evaluator")
+
+
+def _refuse(message: str):
+    raise app.UsageError(message, exitcode=2)
+
+
+def check_positive_ints(values: dict) -> None:
+    """Refuses a flag of `values` (name to value; None: unset) below 1."""
+    for name, value in values.items():
+        if value is not None and value <= 0:
+            _refuse(f"--{name}={value}: must be a positive integer.")
+
+
+def check_non_negative(values: dict) -> None:
+    """Refuses a flag of `values` (name to number; None: unset) below 0."""
+    for name, value in values.items():
+        if value is not None and value < 0:
+            _refuse(f"--{name}={value:g}: must be >= 0.")
+
+
+def check_positive(values: dict) -> None:
+    """Refuses a flag of `values` (name to number; None: unset) not > 0."""
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            _refuse(f"--{name}={value:g}: must be > 0.")
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path  # gs://, s3://, hdfs://: left to TensorFlow
+
+
+def check_checkpoint_dir(path: str | None, *, writable: bool) -> None:
+    """Refuses a --checkpoint_dir that is a file or (if `writable`) one the
+    chief could not write into or create.
+
+    A directory that does not exist yet is fine if its nearest existing
+    parent is a writable directory (the chief creates it at its first
+    save). Remote paths (`scheme://...`) are not checked.
+    """
+    if not path or _is_remote(path):
+        return
+    flag = f"--checkpoint_dir={path}"
+    if os.path.exists(path) and not os.path.isdir(path):
+        _refuse(f"{flag}: is a file, not a directory.")
+    if not writable:
+        return
+    if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK):
+            _refuse(f"{flag}: the directory is not writable.")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        _refuse(f"{flag}: cannot be created: {parent} is a file.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        _refuse(f"{flag}: cannot be created: {parent} is not writable.")
+
+
+def check_job_api(
+    job, name: str, *, evaluator: bool, steps_per_epoch: int | None
+) -> None:
+    """Refuses a job module that lacks what the chief (or evaluator) uses.
+
+    Names every missing function or constant on one line.
+    """
+    wanted = _EVALUATOR_API if evaluator else _CHIEF_API
+    if steps_per_epoch is not None:
+        wanted = tuple(n for n in wanted if n != "num_train_examples")
+    missing = []
+    for attr in wanted:
+        value = getattr(job, attr, None)
+        if value is None or (attr in _FUNCTIONS and not callable(value)):
+            missing.append(attr + ("()" if attr in _FUNCTIONS else ""))
+    if missing:
+        _refuse(
+            f"--job_module={name}: the module lacks {', '.join(missing)} "
+            f"(a job defines {', '.join(wanted)}; see "
+            "tf2sync/_src/jobs/digits.py)."
+        )
+
+
+def parse_tf_config(text: str) -> dict:
+    """`TF_CONFIG` parsed, refused if its task is not one of its cluster.
+
+    ps, worker and chief tasks must be in the cluster (type and index); an
+    evaluator need not be. Without this, a task that is not in its cluster
+    waits for --connect_timeout, or serves a cluster nobody dials.
+    """
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        _refuse(f"TF_CONFIG is not valid JSON: {e}")
+    if not isinstance(config, dict):
+        _refuse(f"TF_CONFIG must be a JSON object. Received: {text}")
+    cluster = config.get("cluster") or {}
+    task = config.get("task") or {}
+    if not isinstance(cluster, dict) or not isinstance(task, dict):
+        _refuse(
+            "TF_CONFIG must hold a 'cluster' object and a 'task' object. "
+            f"Received: {text}"
+        )
+    task_type, index = task.get("type"), task.get("index", 0)
+    where = f"TF_CONFIG task type={task_type!r} index={index!r}"
+    if task_type not in _TASK_TYPES:
+        _refuse(
+            "TF_CONFIG task.type must be chief, ps, worker or evaluator. "
+            f"Received: {task_type!r}"
+        )
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        _refuse(f"{where}: the index must be an integer >= 0.")
+    if task_type == "evaluator":
+        return config
+    hosts = cluster.get(task_type) or []
+    if not hosts:
+        _refuse(
+            f"{where}: the cluster names no {task_type} task (it names "
+            f"{', '.join(sorted(cluster)) or 'nothing'})."
+        )
+    if index >= len(hosts):
+        _refuse(
+            f"{where}: the cluster names {len(hosts)} {task_type} task(s), "
+            f"index 0 to {len(hosts) - 1}."
+        )
+    return config
+
+
+def check_epochs_left(
+    directory: str, latest: str | None, done: int, epochs: int
+) -> None:
+    """Refuses a --checkpoint_dir whose newest checkpoint `latest` finished
+    more epochs (`done`) than --epochs asks for: nothing to train.
+
+    A checkpoint of exactly --epochs epochs is not refused: the chief then
+    trains nothing and evaluates the finished model (a restarted chief).
+    """
+    if latest is not None and done > epochs:
+        _refuse(
+            f"--checkpoint_dir={directory}: the checkpoint "
+            f"{os.path.basename(latest)} already finished epoch {done} of "
+            f"--epochs={epochs}, nothing to train (pass --epochs above "
+            f"{done} to train on, or another --checkpoint_dir)."
+        )
