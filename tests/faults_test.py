@@ -333,6 +333,37 @@ class OneTraceSaverTest(absltest.TestCase):
         np.testing.assert_array_equal(restored.weights[0].numpy(), 2.0)
 
 
+class EpochCheckpointTraceTest(absltest.TestCase):
+    def test_fit_traces_its_save_once_before_the_first_step(self):
+        from tf2sync._src import checkpointing
+
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = testutil.dense_model()
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(
+                    tf.keras.optimizers.SGD(0.1, momentum=0.9)
+                ),
+                loss="mse",
+            )
+        saver = checkpointing.EpochCheckpoint(
+            tempfile.mkdtemp(), model, model.optimizer
+        )
+        x, y = testutil.data("dense", 8)
+        data = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(data, epochs=2, steps_per_epoch=4, callbacks=[saver])
+        # Traced in on_train_begin with the momentum slots built: the
+        # epochs' saves registered no new function.
+        write = saver._saver._write
+        self.assertEqual(write.experimental_get_tracing_count(), 1)
+        reader = tf.train.load_checkpoint(
+            tf.train.latest_checkpoint(saver._manager.directory)
+        )
+        keys = list(reader.get_variable_to_shape_map())
+        momenta = [k for k in keys if "inner_optimizer/_variables/" in k]
+        self.assertLen(momenta, len(model.trainable_variables), keys)
+
+
 class FastRecoveryTest(absltest.TestCase):
     """A worker the coordinator saw fail, or that stopped answering."""
 

@@ -18,6 +18,7 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
+from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import sharding
 
 
@@ -177,6 +178,7 @@ class EpochCheckpoint(tf_keras.callbacks.Callback):
 
     def __init__(self, directory: str, model, optimizer, max_to_keep=3):
         super().__init__()
+        self._optimizer = optimizer
         self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
         self._manager = tf.train.CheckpointManager(
             self._checkpoint,
@@ -196,6 +198,18 @@ class EpochCheckpoint(tf_keras.callbacks.Callback):
         self._checkpoint.restore(latest).assert_existing_objects_matched()
         logging.warning("Resumed from %s", latest)
         return _epoch_of(latest)
+
+    def on_train_begin(self, logs=None):
+        # Every variable the checkpoint saves exists before the first step
+        # (a SyncOptimizer's slots are otherwise built when its step is
+        # traced), and the save is traced now (see `OneTraceSaver`).
+        try:
+            sync = callbacks_lib.find_sync_optimizer(self._optimizer)
+        except ValueError:
+            sync = None
+        if sync is not None and self.model is not None:
+            sync.build(self.model.trainable_variables)
+        self._saver.prepare()
 
     def on_epoch_end(self, epoch, logs=None):
         self._saver.save(epoch + 1)
@@ -278,19 +292,32 @@ class OneTraceSaver:
         self._write = None
         self._variables = None
 
-    def save(self, checkpoint_number: int) -> str:
-        """Writes checkpoint `<name>-<checkpoint_number>`; returns its path."""
+    def prepare(self) -> None:
+        """Traces the save now, for the variables that exist now.
+
+        Call it before training (with every optimizer variable built), while
+        every task answers: the first save then registers nothing new.
+        """
+        self._function()
+
+    def _function(self):
         checkpoint = self._checkpoint
-        # Counted as the manager counts saves (restores expect it saved).
-        checkpoint.save_counter.assign_add(1)
-        variables = _variable_ids(checkpoint)
+        variables = _variable_ids(checkpoint)  # save_counter included
         if self._write is None or variables != self._variables:
             self._write = tf.function(checkpoint.write, autograph=False)
+            self._write.get_concrete_function(tf.TensorSpec([], tf.string))
             self._variables = variables
+        return self._write
+
+    def save(self, checkpoint_number: int) -> str:
+        """Writes checkpoint `<name>-<checkpoint_number>`; returns its path."""
+        # Counted as the manager counts saves (restores expect it saved).
+        self._checkpoint.save_counter.assign_add(1)
+        write = self._function()
         directory = self._directory
         tf.io.gfile.makedirs(directory)
         path = os.path.join(directory, f"{self._name}-{checkpoint_number}")
-        self._write(tf.constant(path))
+        write(tf.constant(path))
         self._record(directory, path)
         return path
 
@@ -334,10 +361,26 @@ class OneTraceSaver:
         )
 
 
-def _variable_ids(checkpoint) -> tuple:
-    """The ids of every variable `checkpoint` saves, in its order."""
-    return tuple(
-        id(t)
-        for t in tf.train.TrackableView(checkpoint).descendants()
-        if isinstance(t, tf.Variable)
-    )
+def _variable_ids(checkpoint) -> frozenset:
+    """The ids of every variable `checkpoint` saves.
+
+    An optimizer's slots are saved beside their variables, not as its
+    children, so each optimizer's own list of variables is added.
+    """
+    checkpoint.save_counter  # noqa: B018 - created on first read
+    ids = set()
+    for t in tf.train.TrackableView(checkpoint).descendants():
+        if isinstance(t, tf.Variable):
+            ids.add(id(t))
+        elif isinstance(t, _OPTIMIZERS):
+            variables = t.variables
+            for v in variables() if callable(variables) else variables:
+                ids.add(id(v))
+    return frozenset(ids)
+
+
+_OPTIMIZERS = (
+    tf.compat.v1.train.Optimizer,
+    tf_keras.optimizers.Optimizer,
+    tf_keras.optimizers.legacy.Optimizer,
+)

@@ -228,6 +228,8 @@ class Trainer:
         """
         self._check_steps_per_epoch(steps_per_epoch)
         self._restore_latest_checkpoint()
+        if self._saver:  # traced while every task answers
+            self._saver.prepare()
         start_epoch = int(self._epoch.numpy())
         loops_per_epoch = steps_per_epoch // self.steps_per_loop
         history = tf_keras.callbacks.History()
