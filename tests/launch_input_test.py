@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,14 +42,31 @@ def _meaningful(stderr):
     ]
 
 
-def _run(args, env=None):
+# Runs a command as an unprivileged user (root writes into a 0o500
+# directory, so the unwritable-directory check needs another user).
+_AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def _can_run_as_nobody():
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        return False
+    probe = subprocess.run(
+        [*_AS_NOBODY, sys.executable, "-c", "import tf2sync"],
+        capture_output=True,
+        env=procutil.ENV,
+        timeout=120,
+    )
+    return probe.returncode == 0
+
+
+def _run(args, env=None, prefix=()):
     """`python -m tf2sync ARGS`: (returncode, stdout, stderr, seconds).
 
     The launcher, and any task pids it prints, are ended by PID at the end.
     """
     start = time.monotonic()
     process = subprocess.Popen(
-        [sys.executable, "-m", "tf2sync", *args],
+        [*prefix, sys.executable, "-m", "tf2sync", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -142,9 +160,9 @@ class BadInputTest(parameterized.TestCase):
                 "LOSS = 'mse'\n\n\ndef build_model():\n    return None\n"
             )
 
-    def _check_refused(self, args, line, env=None, directory=None):
+    def _check_refused(self, args, line, env=None, directory=None, prefix=()):
         before = _snapshot(directory) if directory else None
-        code, out, err, seconds = _run(args, env=env)
+        code, out, err, seconds = _run(args, env=env, prefix=prefix)
         self.assertEqual(code, 2, err[-3000:])
         self.assertEqual(_meaningful(err), [line], err[-3000:])
         self.assertNotIn("Traceback", err)
@@ -188,20 +206,25 @@ class BadInputTest(parameterized.TestCase):
         )
 
     def test_checkpoint_dir_not_writable(self):
-        if os.geteuid() == 0:
-            self.skipTest("root writes into a 0o500 directory")
+        prefix = ()
+        if os.geteuid() == 0:  # root writes into a 0o500 directory
+            if not _can_run_as_nobody():
+                self.skipTest("root, and setpriv cannot run it as nobody")
+            prefix = _AS_NOBODY
         directory = tempfile.mkdtemp()
-        os.chmod(directory, 0o500)
+        os.chmod(directory, 0o555)  # readable by the launcher, not writable
         try:
             self._check_refused(
                 [f"--checkpoint_dir={directory}"],
                 f"--checkpoint_dir={directory}: the directory is not writable.",
+                prefix=prefix,
             )
             missing = os.path.join(directory, "ckpt")
             self._check_refused(
                 [f"--checkpoint_dir={missing}"],
                 f"--checkpoint_dir={missing}: cannot be created: "
                 f"{directory} is not writable.",
+                prefix=prefix,
             )
         finally:
             os.chmod(directory, 0o700)
