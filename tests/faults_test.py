@@ -422,13 +422,23 @@ class FastRecoveryTest(absltest.TestCase):
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         step = self._replica_step(strategy, model, opt)
         before = int(opt.iterations.numpy())
-        # 4 pushes planned (2 updates); 7 scheduled, as after a re-run.
-        coordinator.plan_epoch(step, 4)
+        aggregator = opt._aggregator
+        run = type("Run", (), {})()  # one training run, as fit's handler
+        # Epoch 1: 3 pushes planned (1 update, 1 left for the next epoch).
+        coordinator.plan_epoch(step, 3, run)
+        for _ in range(3):
+            coordinator.schedule(step)
+        coordinator.join()
+        self.assertEqual(int(opt.iterations.numpy()), before + 1)
+        self.assertEqual(int(aggregator.count.numpy()), 1)  # kept, not lost
+        # Epoch 2: 3 more (6 in the run: 3 updates); 7 scheduled, as after
+        # a re-run: the pushes that would complete a 4th are dropped.
+        coordinator.plan_epoch(step, 3, run)
         for _ in range(7):
             coordinator.schedule(step)
         coordinator.join()
-        self.assertEqual(int(opt.iterations.numpy()), before + 2)
-        aggregator = opt._aggregator
+        self.assertEqual(int(opt.iterations.numpy()), before + 3)
+        self.assertEqual(int(aggregator.count.numpy()), 1)
         self.assertEqual(int(aggregator.over_plan.numpy()), 3)
         weights = [w.numpy() for w in model.weights]
         # A function nobody planned (a user's loop after fit) is not capped.
@@ -436,7 +446,7 @@ class FastRecoveryTest(absltest.TestCase):
         for _ in range(2):
             coordinator.schedule(other)
         coordinator.join()
-        self.assertEqual(int(opt.iterations.numpy()), before + 3)
+        self.assertEqual(int(opt.iterations.numpy()), before + 4)
         self.assertGreater(testutil.max_abs_diff(weights, model.weights), 0)
 
     def test_a_frozen_worker_is_declared_and_its_function_runs_elsewhere(self):

@@ -23,11 +23,12 @@ The protocol, for one synchronous optimizer with global step `g` (its
      increments `g` by exactly 1, resets the accumulators and releases
      `max(M, N)` tokens.
 4. A step that pushes nothing (evaluation) puts its token back.
-5. A push arriving once `g` reached the step limit (`plan_updates`: the
-   updates `fit` or `Trainer` planned for the epoch) is dropped and
-   counted as over the plan, and gives its token back. Re-run functions
-   (PSS runs a function at least once: after a worker fault it runs again
-   from its start) then cannot apply more updates than planned.
+5. A push that would complete an update once `g` reached the step limit
+   (`plan_updates`: the updates `fit` or `Trainer` planned so far) is
+   dropped and counted as over the plan, and gives its token back.
+   Re-run functions (PSS runs a function at least once: after a worker
+   fault it runs again from its start) then cannot apply more updates
+   than planned.
 
 TF1's order (the `compat_v1` shim) uses the same barrier the other way
 round: the tag is the worker's local step, the push comes first, and the
@@ -158,16 +159,33 @@ class Aggregator:
     def _step(self):
         return self.barrier.step()
 
-    def plan_updates(self, pushes: int) -> int:
-        """Caps the global step at `pushes // replicas_to_aggregate` updates
-        from now (eagerly, between epochs); returns the limit.
-
-        Pushes beyond it are dropped (see the module docstring, 5.).
-        """
+    def plan_run(self) -> tuple:
+        """`(global step, gradients pending)` now: the base of a run's plan
+        (read eagerly, between epochs)."""
         with tf.init_scope():
-            limit = int(self.global_step.numpy()) + max(
-                0, int(pushes) // self.config.replicas_to_aggregate
-            )
+            step = int(self.global_step.numpy())
+            pending = int(self.count.numpy())
+            if int(self.acc_step.numpy()) != step:
+                pending = 0  # of another step: discarded by the next push
+        return step, pending
+
+    def plan_updates(self, base, pushes: int) -> int:
+        """Caps the global step at `base`'s step plus
+        `(pending + pushes) // replicas_to_aggregate` (eagerly, between
+        epochs); returns the limit.
+
+        `base` is `plan_run()` at the run's start and `pushes` the pushes
+        planned since, so the plan holds over the run whatever the epochs
+        left in the accumulators. A push past the limit that would complete
+        an update is dropped (see the module docstring, 5.); one that would
+        not is accumulated as usual (an epoch's leftovers, which the next
+        epoch completes).
+        """
+        step, pending = base
+        limit = step + max(0, (pending + int(pushes))) // (
+            self.config.replicas_to_aggregate
+        )
+        with tf.init_scope():
             self.step_limit.assign(limit)
         return limit
 
@@ -389,8 +407,14 @@ class Aggregator:
         fresh = inputs["tag"] >= step
         same_step = tf.equal(self.acc_step.read_value(), step)
         ok = self._all_finite(arrived) if check_finite else tf.constant(True)
-        branch = tf.where(
+        # Past the plan, only a push that would complete an update drops.
+        pending = tf.where(same_step, self.count.read_value(), 0)
+        within = tf.logical_or(
             step < self.step_limit.read_value(),
+            pending + 1 < self.config.replicas_to_aggregate,
+        )
+        branch = tf.where(
+            within,
             tf.where(
                 fresh,
                 tf.where(ok, tf.where(same_step, 1, 3), 2),

@@ -207,8 +207,14 @@ class EpochCheckpoint(tf_keras.callbacks.Callback):
             sync = callbacks_lib.find_sync_optimizer(self._optimizer)
         except ValueError:
             sync = None
-        if sync is not None and self.model is not None:
-            sync.build(self.model.trainable_variables)
+        model = self.model
+        if (
+            sync is not None
+            and model is not None
+            and getattr(model, "built", False)
+            and model.trainable_variables
+        ):  # an unbuilt model's optimizer builds at its first step
+            sync.build(model.trainable_variables)
         self._saver.prepare()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -342,13 +348,9 @@ class OneTraceSaver:
             ]
         kept.append((name, now))
         keep = self._max_to_keep
+        dropped = []
         if keep is not None and keep > 0:
-            for old, _ in kept[:-keep]:
-                for file in tf.io.gfile.glob(
-                    os.path.join(directory, old) + ".*"
-                ):
-                    tf.io.gfile.remove(file)
-            kept = kept[-keep:]
+            dropped, kept = kept[:-keep], kept[-keep:]
         lines = [f'model_checkpoint_path: "{name}"']
         lines += [f'all_model_checkpoint_paths: "{p}"' for p, _ in kept]
         lines += [f"all_model_checkpoint_timestamps: {t!r}" for _, t in kept]
@@ -359,6 +361,10 @@ class OneTraceSaver:
         tf.io.gfile.rename(
             temporary, os.path.join(directory, "checkpoint"), True
         )
+        for old, _ in dropped:  # after the state file no longer names them
+            pattern = os.path.join(directory, old) + ".*"
+            for file in tf.io.gfile.glob(pattern):
+                tf.io.gfile.remove(file)
 
 
 def _variable_ids(checkpoint) -> frozenset:

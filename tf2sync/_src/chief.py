@@ -16,6 +16,7 @@ from tf2sync._src import checkpointing
 from tf2sync._src import liveness
 from tf2sync._src import processes
 from tf2sync._src import sharding
+from tf2sync._src import watchdog
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +174,11 @@ def train(resolver, job, config: ChiefConfig):
         except (tf.errors.UnavailableError, *TRANSIENT_ERRORS) as error:
             lost = isinstance(error, tf.errors.UnavailableError)
             cause = _one_line(error)
+            # The old strategy's threads would poll and alarm the new one's.
+            watchdog.stop_all()
+            liveness.stop_all()
+            if not config.checkpoint_dir and not lost:
+                raise  # nothing to resume from: the error as it came
             if not config.checkpoint_dir:
                 raise RuntimeError(
                     f"{cause}. Parameter servers: {ps_hosts}. Without "
@@ -184,7 +190,7 @@ def train(resolver, job, config: ChiefConfig):
                 if retries > MAX_TRANSIENT_RETRIES:
                     raise RuntimeError(
                         f"{cause} (after {MAX_TRANSIENT_RETRIES} retries)."
-                    ) from None
+                    ) from error
             logging.warning(
                 "tf2sync: %s; %s, then resuming from the last checkpoint.",
                 cause,

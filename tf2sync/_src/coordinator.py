@@ -45,6 +45,7 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             self._worker_ids = None
             self._wrapped = weakref.WeakKeyDictionary()
             self._planned = None  # functions under the current cap
+            self._plan_run = None  # (weakref to the run, base, pushes)
             tf_internals.on_worker_failure(self, _worker_failed)
 
     def create_per_worker_dataset(self, dataset_fn):
@@ -97,25 +98,45 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             self._planned = weakref.WeakSet()
         self._planned.add(fn)
 
-    def plan_epoch(self, fn, pushes: int) -> None:
-        """Caps the updates of the epoch starting now at `pushes` pushes'
-        worth (`Aggregator.plan_updates`), for `fn`'s functions.
+    def plan_epoch(self, fn, pushes: int, run) -> None:
+        """Caps the updates at what the epochs of `run` planned so far.
 
-        Call between epochs, before scheduling the epoch's first function;
-        without a `tf2sync.SyncOptimizer` attached, does nothing.
+        `run` identifies one training run (`fit`'s data handler, a
+        `Trainer.train` call): at its first epoch the global step and the
+        gradients pending are its base, and each epoch adds `pushes`; the
+        cap is `Aggregator.plan_updates` of the total. Call between epochs,
+        before scheduling the epoch's first function `fn`; without a
+        `tf2sync.SyncOptimizer` attached, does nothing.
         """
         aggregator = _core_aggregator(self.strategy)
         if aggregator is None:
             return
+        current = self._plan_run
+        if current is None or current[0]() is not run:
+            self._plan_run = (weakref.ref(run), aggregator.plan_run(), 0)
+            self._planned = None
+        reference, base, total = self._plan_run
+        total += int(pushes)
+        self._plan_run = (reference, base, total)
         self.planned(fn)
-        aggregator.plan_updates(pushes)
+        aggregator.plan_updates(base, total)
+
+    def in_plan(self, run) -> bool:
+        """Whether `run` (see `plan_epoch`) made the current plan."""
+        current = self._plan_run
+        return current is not None and current[0]() is run
+
+    def lift_plan(self) -> None:
+        """Removes the cap (a function nobody planned is scheduled)."""
+        self._planned = None
+        self._plan_run = None
+        aggregator = _core_aggregator(self.strategy)
+        if aggregator is not None:
+            aggregator.clear_plan()
 
     def _lift_plan(self, fn) -> None:
         if self._planned is not None and fn not in self._planned:
-            self._planned = None
-            aggregator = _core_aggregator(self.strategy)
-            if aggregator is not None:
-                aggregator.clear_plan()
+            self.lift_plan()
 
     def schedule(self, fn, args=None, kwargs=None):
         self._lift_plan(fn)

@@ -119,15 +119,31 @@ class WorkerMonitor:
             now = time.monotonic()
             silent = [now - t for t in self._answered]
             for index, seconds in enumerate(silent):
+                if self._frozen[index]:
+                    self._take_over(index, seconds)  # one it took since
+                    continue
                 others = [s for i, s in enumerate(silent) if i != index]
                 if (
-                    self._frozen[index]
-                    or seconds < self.timeout
+                    seconds < self.timeout
                     or not others
                     or min(others) >= self.timeout
                 ):
                     continue
                 self._declare(index, seconds)
+
+    def _take_over(self, index, seconds):
+        """Moves a closure a frozen worker took (idle when declared)."""
+        coordinator = self._coordinator()
+        if coordinator is None or not tf_internals.take_over_closure(
+            coordinator, index
+        ):
+            return
+        logging.warning(
+            "tf2sync: worker %d, frozen, took a function: it runs again on "
+            "another worker.",
+            index,
+        )
+        watchdog.alarm_all(f"worker {index} did not answer for {seconds:.0f} s")
 
     def _declare(self, index, seconds):
         coordinator = self._coordinator()

@@ -330,14 +330,16 @@ def _process_tracked(worker, closure):
             worker_device_name=worker.device_name,
         ):
             closure.execute_on(worker)
+            # The fetch waits on the worker too: it can be taken over still.
+            closure.maybe_call_with_output_remote_value(lambda r: r.get())
             if taken_over():
                 return
-            closure.maybe_call_with_output_remote_value(lambda r: r.get())
             queue.mark_finished()
     except Exception as e:  # noqa: BLE001 - as TF's, which reports it
         with lock:
             if worker._tf2sync_taken is closure:
                 return
+            worker._tf2sync_running = None  # ours to fail: not movable now
         if not isinstance(e, tf.errors.CancelledError):
             tf.compat.v1.logging.error(
                 " /job:worker/task:%d encountered the following error when "

@@ -241,6 +241,7 @@ class Trainer:
             verbose=0,
         )
         iterator = self._per_worker_iterator(dataset_fn)
+        self._run = _Run()  # this call's plan (see `_run_epoch`)
         loop = self._loop = self._loop_function()
         sync = None
         if not self._shim:
@@ -303,8 +304,8 @@ class Trainer:
         began = time.perf_counter()
         before = self._sync_totals(sync)["sync_steps"]
         plan = getattr(self.coordinator, "plan_epoch", None)
-        if plan is not None:  # re-run functions add no update to the epoch
-            plan(loop, loops_per_epoch * self.steps_per_loop)
+        if plan is not None:  # re-run functions add no update to the run
+            plan(loop, loops_per_epoch * self.steps_per_loop, self._run)
         results = [
             self.coordinator.schedule(loop, args=(iterator,))
             for _ in range(loops_per_epoch)
@@ -341,6 +342,10 @@ class Trainer:
                 + " ".join(f"{k}={v:.4g}" for k, v in logs.items()),
                 flush=True,
             )
+
+
+class _Run:
+    """Identifies one `Trainer.train` call to `SyncCoordinator.plan_epoch`."""
 
 
 def _check_loop_arguments(steps_per_loop, use_tf_while_loop) -> None:

@@ -149,6 +149,8 @@ def _scheduler(model, coordinator, sync):
             model.train_tf_function = function  # TensorBoard's graph
         _plan(coordinator, function, handler)
         logs = coordinator.schedule(function, args=(iterator,))
+        if not getattr(model, "_tf2sync_epoch_end_warm", False):
+            _warm_epoch_end(model)
         return logs if sync is None else _WithSyncTotals(logs, sync)
 
     schedule.functions = functions  # by steps (not tracked by Keras)
@@ -240,21 +242,41 @@ def _unrolled(model, steps):
     return train_function
 
 
+def _warm_epoch_end(model):
+    """Reads the model's metrics once now, as `fit`'s first epoch end will.
+
+    The first run of an op on another task can register a function with
+    every task, which waits for a frozen worker (see liveness.py): run
+    them while every worker answers, just after the first function is
+    scheduled (its trace built the metrics).
+    """
+    model._tf2sync_epoch_end_warm = True
+    try:
+        model.get_metrics_result()
+    except Exception:  # noqa: BLE001 - only a warm-up: the epoch end reports
+        pass
+
+
 def _plan(coordinator, function, handler):
-    """Caps each epoch at its planned updates (`SyncCoordinator.plan_epoch`),
-    at the epoch's first function: a function re-run after a worker fault
-    then does not add updates to the epoch."""
-    plan = getattr(coordinator, "plan_epoch", None)
-    if plan is None:
+    """Caps the run's updates at what its epochs planned
+    (`SyncCoordinator.plan_epoch`), at each epoch's first function: a
+    function re-run after a worker fault then adds no update. A call whose
+    epoch has no known length, or that resumes inside an epoch, lifts the
+    cap instead (nothing to plan from)."""
+    if not hasattr(coordinator, "plan_epoch"):
         return
     position = tf_internals.fit_epoch_position(handler)
-    if position is not None and position[0] == 0 and position[1]:
-        plan(function, position[1])
-    else:
-        coordinator.planned(function)
+    if handler is not None and position is not None and position[1]:
+        if position[0] == 0:
+            coordinator.plan_epoch(function, position[1], handler)
+            return
+        if coordinator.in_plan(handler):
+            coordinator.planned(function)
+            return
+    coordinator.lift_plan()
 
 
-def _steps_of_call(model, handler):
+def _steps_of_call(model, handler=None):
     """The steps of the train function `fit` is calling now.
 
     `fit`'s data handler sets them (`step_increment + 1`: the
@@ -264,6 +286,8 @@ def _steps_of_call(model, handler):
     `steps_per_execution` variable is read, as tf_keras's own function
     does.
     """
+    if handler is None:
+        handler = tf_internals.running_fit_data_handler(model)
     increment = getattr(handler, "step_increment", None)
     if isinstance(increment, int) and increment >= 0:
         return increment + 1
