@@ -16,6 +16,32 @@ from absl.testing import absltest
 import tf2sync
 
 
+def _replica_step(strategy, model, opt):
+    """A scheduled step: one SyncOptimizer push of a dense batch."""
+    x, y = testutil.data("dense", 8)
+
+    def replica():
+        with tf.GradientTape() as tape:
+            loss = testutil.mean_loss(y, model(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    @tf.function
+    def step():
+        strategy.run(replica)
+
+    return step
+
+
+def _join_within(coordinator, seconds):
+    """Whether `coordinator.join()` returned within `seconds`."""
+    done = threading.Event()
+    threading.Thread(
+        target=lambda: (coordinator.join(), done.set()), daemon=True
+    ).start()
+    return done.wait(seconds)
+
+
 class TokenWatchdogTest(absltest.TestCase):
     def test_a_token_lost_with_a_dead_worker_is_released(self):
         strategy = testutil.strategy(
@@ -30,25 +56,12 @@ class TokenWatchdogTest(absltest.TestCase):
             aggregator.token_queue.dequeue()
         self.assertEqual(aggregator.tokens_available(), 1)
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        x, y = testutil.data("dense", 8)
-
-        def replica():
-            with tf.GradientTape() as tape:
-                loss = testutil.mean_loss(y, model(x))
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-
-        @tf.function
-        def step():
-            strategy.run(replica)
-
+        step = _replica_step(strategy, model, opt)
         for _ in range(2):  # the second waits for the lost token
             coordinator.schedule(step)
-        done = threading.Event()
-        threading.Thread(
-            target=lambda: (coordinator.join(), done.set()), daemon=True
-        ).start()
-        self.assertTrue(done.wait(60), "the step hung on the lost token")
+        self.assertTrue(
+            _join_within(coordinator, 60), "the step hung on the lost token"
+        )
         self.assertEqual(int(opt.iterations.numpy()), 1)
         # 1, or more when a step took over 1 s to push (a loaded machine):
         # surplus tokens are safe (see watchdog.py).
@@ -367,28 +380,6 @@ class EpochCheckpointTraceTest(absltest.TestCase):
 class FastRecoveryTest(absltest.TestCase):
     """A worker the coordinator saw fail, or that stopped answering."""
 
-    def _replica_step(self, strategy, model, opt):
-        x, y = testutil.data("dense", 8)
-
-        def replica():
-            with tf.GradientTape() as tape:
-                loss = testutil.mean_loss(y, model(x))
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-
-        @tf.function
-        def step():
-            strategy.run(replica)
-
-        return step
-
-    def _join_within(self, coordinator, seconds):
-        done = threading.Event()
-        threading.Thread(
-            target=lambda: (coordinator.join(), done.set()), daemon=True
-        ).start()
-        return done.wait(seconds)
-
     def test_a_failed_worker_releases_its_token_at_once(self):
         from tf2sync._src import watchdog
 
@@ -403,13 +394,13 @@ class FastRecoveryTest(absltest.TestCase):
         with tf.device(aggregator.device):  # a worker took it and died
             aggregator.token_queue.dequeue()
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        step = self._replica_step(strategy, model, opt)
+        step = _replica_step(strategy, model, opt)
         for _ in range(2):  # the second waits for the lost token
             coordinator.schedule(step)
         began = time.monotonic()
         watchdog.alarm_all("worker 1 failed (injected by the test)")
         # Waits for: the stall (0.5 s without progress) and the release.
-        self.assertTrue(self._join_within(coordinator, 20), "still stalled")
+        self.assertTrue(_join_within(coordinator, 20), "still stalled")
         self.assertLess(time.monotonic() - began, 10)
         self.assertEqual(int(opt.iterations.numpy()), 1)
         self.assertEqual(strategy._watchdog.released, 1)
@@ -420,7 +411,7 @@ class FastRecoveryTest(absltest.TestCase):
             model = testutil.dense_model()
             opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        step = self._replica_step(strategy, model, opt)
+        step = _replica_step(strategy, model, opt)
         before = int(opt.iterations.numpy())
         aggregator = opt._aggregator
         run = type("Run", (), {})()  # one training run, as fit's handler
@@ -442,7 +433,7 @@ class FastRecoveryTest(absltest.TestCase):
         self.assertEqual(int(aggregator.over_plan.numpy()), 3)
         weights = [w.numpy() for w in model.weights]
         # A function nobody planned (a user's loop after fit) is not capped.
-        other = self._replica_step(strategy, model, opt)
+        other = _replica_step(strategy, model, opt)
         for _ in range(2):
             coordinator.schedule(other)
         coordinator.join()
@@ -490,7 +481,7 @@ class FastRecoveryTest(absltest.TestCase):
             frozen.clear()
             # Worker 0's run, worker 1's (ignored) and the re-run.
             gate.enqueue_many(tf.constant([7, 7, 7], tf.int64))
-            self.assertTrue(self._join_within(coordinator, 30))
+            self.assertTrue(_join_within(coordinator, 30))
             self.assertEqual(int(runs.numpy()), 3)
             self.assertEqual([int(r.fetch()) for r in results], [7, 7])
             self.assertTrue(coordinator.done())
