@@ -9,6 +9,11 @@ import sys
 
 from absl.testing import absltest
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = None
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The one module of tf2sync that may use private TensorFlow / tf_keras API.
@@ -36,6 +41,29 @@ def private_imports(text):
 def _ruff():
     found = shutil.which("ruff", path=os.path.dirname(sys.executable))
     return found or shutil.which("ruff")
+
+
+def _read(name):
+    with open(os.path.join(_ROOT, name)) as f:
+        return f.read()
+
+
+def _pypi_name(requirement):
+    """The normalized (PEP 503) project name of a requirement string."""
+    name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement).group(1)
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _locked_names():
+    """The normalized names that requirements_lock.txt pins (`name==`)."""
+    return {
+        _pypi_name(name)
+        for name in re.findall(
+            r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==",
+            _read("requirements_lock.txt"),
+            re.M,
+        )
+    }
 
 
 class LintTest(absltest.TestCase):
@@ -147,6 +175,66 @@ class LintTest(absltest.TestCase):
                     if target not in (None, name) and target not in deps:
                         missing.setdefault(name, set()).add(target)
         self.assertEqual(missing, {}, "BUILD targets missing these deps")
+
+    def test_module_pip_hub_is_the_one_build_loads(self):
+        # MODULE.bazel's pip.parse makes the hub; BUILD's `requirement()`
+        # comes from it, so the names must match.
+        module = _read("MODULE.bazel")
+        hubs = re.findall(r'\bhub_name = "([^"]+)"', module)
+        self.assertLen(hubs, 1, "MODULE.bazel: one pip.parse hub_name")
+        build = _read("BUILD")
+        loaded = set(
+            re.findall(r'load\("@([\w.-]+)//:requirements\.bzl"', build)
+        )
+        self.assertEqual(loaded, set(hubs), "BUILD loads another pip hub")
+        hub = re.escape(hubs[0])
+        self.assertRegex(module, rf'use_repo\(\s*pip,\s*"{hub}"')
+        self.assertIn('requirements_lock = "//:requirements_lock.txt"', module)
+        # pip.parse's Python is the one python.toolchain registers.
+        versions = re.findall(r'\bpython_version = "([^"]+)"', module)
+        self.assertLen(set(versions), 1, versions)
+
+    def test_lock_pins_every_dependency(self):
+        # requirements_lock.txt (the @pip hub) pins every dependency that
+        # pyproject.toml names, extras included, and every `requirement()`
+        # of BUILD: regenerate it when pyproject.toml changes (its header).
+        if tomllib is None:
+            self.skipTest("tomllib needs Python 3.11")
+        project = tomllib.loads(_read("pyproject.toml"))["project"]
+        wanted = list(project["dependencies"])
+        for extra in project.get("optional-dependencies", {}).values():
+            wanted += extra
+        locked = _locked_names()
+        missing = sorted({_pypi_name(r) for r in wanted} - locked)
+        self.assertEqual(missing, [], "requirements_lock.txt does not pin")
+        used = re.findall(r'requirement\("([^"]+)"\)', _read("BUILD"))
+        missing = sorted({_pypi_name(r) for r in used} - locked)
+        self.assertEqual(missing, [], "BUILD requires what the lock lacks")
+
+    def test_lock_header_is_the_regeneration_command(self):
+        # The pip-compile command at the top of the lock compiles every
+        # extra, and BUILD's compile_pip_requirements writes the same header.
+        if tomllib is None:
+            self.skipTest("tomllib needs Python 3.11")
+        lock = _read("requirements_lock.txt")
+        match = re.search(r"^#    (pip-compile .*)$", lock, re.M)
+        self.assertIsNotNone(match, "requirements_lock.txt has no command")
+        command = match.group(1).split()
+        self.assertIn("--generate-hashes", command)
+        self.assertEqual(command[-1], "pyproject.toml")
+        extras = tomllib.loads(_read("pyproject.toml"))["project"].get(
+            "optional-dependencies", {}
+        )
+        for extra in extras:
+            self.assertIn(f"--extra={extra}", command)
+        build = _read("BUILD")
+        self.assertIn(
+            f'"CUSTOM_COMPILE_COMMAND": "{match.group(1)}"',
+            build,
+            "BUILD's compile_pip_requirements env must give the lock's header",
+        )
+        for extra in extras:
+            self.assertIn(f'"--extra={extra}"', build)
 
 
 if __name__ == "__main__":
