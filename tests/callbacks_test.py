@@ -1,7 +1,9 @@
 """Stock tf_keras callbacks and sync metrics under model.fit."""
 
+import contextlib
 import csv
 import glob
+import io
 import tempfile
 import time
 
@@ -144,6 +146,56 @@ class CallbacksTest(absltest.TestCase):
         for row in rows:
             self.assertGreater(float(row["examples_per_s"]), 0)
             self.assertGreater(float(row["sync_steps_per_s"]), 0)
+
+    def _epoch_lines(self, sync_metrics):
+        model = _compiled()
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            history = model.fit(
+                _dataset(),
+                epochs=2,
+                steps_per_epoch=4,
+                verbose=2,
+                callbacks=[sync_metrics],
+            )
+        lines = [
+            line for line in out.getvalue().splitlines() if "/4 - " in line
+        ]
+        self.assertLen(lines, 2, out.getvalue())
+        # Every figure stays in the logs, whatever the line shows.
+        self.assertContainsSubset(
+            {"accepted_w0", "stale_w1", "barrier_wait_s_epoch", "loss"},
+            set(history.history),
+        )
+        return lines
+
+    def test_epoch_line_shows_what_a_person_reads(self):
+        for line in self._epoch_lines(tf2sync.SyncMetrics(batch_size=32)):
+            for shown in (
+                "loss:",
+                "accuracy:",
+                "sync_steps:",
+                "examples_per_s:",
+            ):
+                self.assertIn(shown, line)
+            self.assertIn("stale_dropped:", line)
+            for hidden in ("accepted_w0", "stale_w1", "barrier_wait", "_epoch"):
+                self.assertNotIn(hidden, line)
+            self.assertLess(len(line), 200, line)
+
+    def test_sync_metrics_verbose_shows_every_figure(self):
+        lines = self._epoch_lines(
+            tf2sync.SyncMetrics(batch_size=32, verbose=True)
+        )
+        for line in lines:
+            for shown in ("accepted_w0", "stale_w1", "barrier_wait_s_epoch"):
+                self.assertIn(shown, line)
+
+    def test_sync_metrics_refuses_bad_arguments(self):
+        with self.assertRaisesRegex(ValueError, "batch_size=0"):
+            tf2sync.SyncMetrics(batch_size=0)
+        with self.assertRaisesRegex(ValueError, "verbose='yes'"):
+            tf2sync.SyncMetrics(verbose="yes")
 
     def test_early_stopping_and_reduce_lr_on_plateau(self):
         model = _compiled()

@@ -298,6 +298,54 @@ class Tf1ShimFlagTest(absltest.TestCase):
             chief.sync_optimizer(fault_job, mixed, 2, 2)
 
 
+# A line of TensorFlow's C++ logging (absl/glog format, from a C++ file),
+# or absl's notice before its logging is initialized.
+_NATIVE_LOG_LINE = re.compile(
+    r"^[IWEF]\d{4} [\d:.]+\s+\d+ \S+\.(cc|h|cpp|c):\d+\]"
+    r"|absl::InitializeLog"
+)
+
+
+class MainJobConsoleTest(absltest.TestCase):
+    """The README's main job as a user runs it: what its console shows."""
+
+    def test_no_tensorflow_log_line_and_short_epoch_lines(self):
+        script = os.path.join(os.path.dirname(sys.executable), "tf2sync")
+        if not os.path.exists(script):
+            self.skipTest(f"no console script at {script}")
+        env = dict(os.environ)  # as a user's shell: no TF_CPP_MIN_LOG_LEVEL
+        for name in (
+            "TF_CPP_MIN_LOG_LEVEL",
+            "CUDA_VISIBLE_DEVICES",
+            "TF_CONFIG",
+        ):
+            env.pop(name, None)
+        out = subprocess.run(
+            [script, "--epochs=2"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            **procutil.child_kwargs(env),
+        )
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        console = (out.stdout + out.stderr).splitlines()
+        native = [line for line in console if _NATIVE_LOG_LINE.search(line)]
+        self.assertEqual(native, [], "TensorFlow C++ log lines on the console")
+        epochs = [line for line in console if re.match(r"\d+/\d+ - ", line)]
+        self.assertLen(epochs, 2, out.stdout)
+        for line in epochs:
+            self.assertLess(len(line), 200, line)
+            self.assertIn("sync_steps:", line)
+        # The logs went to the directory printed once.
+        match = re.search(r"logs in (\S+)", out.stdout)
+        self.assertIsNotNone(match, out.stdout)
+        self.assertEqual(out.stdout.count("logs in "), 1)
+        names = set(os.listdir(match.group(1)))
+        self.assertContainsSubset(
+            {"chief.log", "ps0.log", "worker0.log", "worker1.log"}, names
+        )
+
+
 class JobModuleTest(absltest.TestCase):
     """What a user of the `tf2sync` console script meets with --job_module."""
 

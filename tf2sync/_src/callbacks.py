@@ -53,7 +53,36 @@ def is_sync_total(key: str) -> bool:
     ) or bool(re.fullmatch(r"(accepted|stale)_w\d+", key))
 
 
-class SyncMetrics(tf_keras.callbacks.Callback):
+# The sync figures an epoch line shows; the others stay in the logs
+# (History, CSVLogger, TensorBoard). `nonfinite_dropped` shows when not 0.
+EPOCH_LINE_KEYS = ("sync_steps", "stale_dropped", "examples_per_s")
+_EPOCH_KEYS = (
+    "stale_dropped_epoch",
+    "nonfinite_dropped_epoch",
+    "barrier_wait_s_epoch",
+    "sync_steps_per_s",
+    "examples_per_s",
+)
+
+
+def epoch_line(logs: dict) -> dict:
+    """`logs` less the sync figures an epoch line leaves out.
+
+    Kept: the loss, the model's metrics, `sync_steps`, `stale_dropped`,
+    `examples_per_s`, and `nonfinite_dropped` when it is not 0.
+    """
+
+    def shown(key, value):
+        if key == "nonfinite_dropped":
+            return bool(value)
+        if key in EPOCH_LINE_KEYS:
+            return True
+        return not (is_sync_total(key) or key in _EPOCH_KEYS)
+
+    return {k: v for k, v in logs.items() if shown(k, v)}
+
+
+class SyncMetrics(tf_keras.callbacks.ProgbarLogger):
     """Exact synchronous-training metrics in the epoch logs.
 
     `model.fit` under `SyncParameterServerStrategy` already adds the totals
@@ -77,23 +106,68 @@ class SyncMetrics(tf_keras.callbacks.Callback):
 
     Put it before `History`-reading callbacks (`CSVLogger`, `TensorBoard`)
     in the callback list so that they record the exact values.
+
+    It is also `fit`'s progress bar (a `ProgbarLogger`, which `fit` then
+    uses instead of its own; `verbose` of `fit` still applies): the epoch
+    line shows the loss, the metrics, `sync_steps`, `stale_dropped`,
+    `examples_per_s` and `nonfinite_dropped` when not 0; every figure stays
+    in the logs. Do not pass another `ProgbarLogger` with it.
     """
 
-    def __init__(self, batch_size: int | None = None):
+    def __init__(self, batch_size: int | None = None, verbose: bool = False):
         """Args:
         batch_size: Examples per replica step, for `examples_per_s`.
+        verbose: Whether the epoch line shows every figure of the logs
+          (`accepted_w0`, `barrier_wait_s_epoch`, ...), not only those
+          above.
+
+        Raises:
+          ValueError: If `batch_size` is not None or a positive int, or
+            `verbose` not a bool.
         """
-        super().__init__()
+        if batch_size is not None and (
+            not isinstance(batch_size, int)
+            or isinstance(batch_size, bool)
+            or batch_size <= 0
+        ):
+            raise ValueError(
+                "`batch_size` must be None or a positive int. Received: "
+                f"batch_size={batch_size!r}"
+            )
+        if not isinstance(verbose, bool):
+            raise ValueError(
+                f"`verbose` must be a bool. Received: verbose={verbose!r}"
+            )
+        super().__init__(count_mode="steps")
         self._batch_size = batch_size
+        self.show_all = verbose
         self._start = None
+
+    def _shown(self, logs):
+        if logs is None or self.show_all:
+            return logs
+        return epoch_line(logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, self._shown(logs))
 
     def _totals(self):
         return sync_totals(find_sync_optimizer(self.model.optimizer))
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._start = (time.perf_counter(), self._totals())
+        totals = self._totals()
+        self._start = (time.perf_counter(), totals)
+        # Totals, not averaged over the bar's updates.
+        self.stateful_metrics = (
+            set(self.stateful_metrics) | set(totals) | set(_EPOCH_KEYS)
+        )
+        super().on_epoch_begin(epoch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
+        self._add_figures(logs)
+        super().on_epoch_end(epoch, self._shown(logs))
+
+    def _add_figures(self, logs):
         if logs is None or self._start is None:
             return
         started, before = self._start

@@ -5,10 +5,16 @@ Modes, in order of precedence:
 * `--job_name=ps|worker --task_index=i --ps_hosts=... --worker_hosts=...`
   (TF1 style): serve as that task until killed.
 * `--job_name=chief ...` with the same host flags: run the training job.
-* `TF_CONFIG` set (Kubernetes, Slurm): the role it names.
+* `TF_CONFIG` set (Kubeflow TFJob, Slurm): the role it names.
+* a JobSet pod's `TF2SYNC_JOBSET_*` environment (Kubernetes JobSet, which
+  sets no TF_CONFIG; see `jobset.py` and examples/deploy/jobset.yaml): the
+  cluster and role TF_CONFIG would give.
 * otherwise `--local_cluster=WORKERS,PS` (default `2,1`; `--num_ps=N`
   alone: `2,N`): start each ps and worker as a subprocess on 127.0.0.1 and
   run the chief here; every process is ended by PID at the end or on Ctrl-C.
+
+`--cluster_from=flags|tf_config|jobset|local` picks one of these sources
+and refuses to start without it (default `auto`: the first that is given).
 
 `--max_shards` / `--min_shard_bytes` shard large variables over the ps
 (`MinSizePartitioner`); the chief prints each sharded variable's shards and
@@ -31,13 +37,27 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from tf2sync._src import console
+
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 _JOB_NAME = flags.DEFINE_enum(
     "job_name",
     None,
     ["ps", "worker", "chief", "evaluator"],
-    "This task's role (TF1 style). Unset: TF_CONFIG, else --local_cluster.",
+    "This task's role (TF1 style). Unset: TF_CONFIG, else a JobSet pod's "
+    "environment, else --local_cluster (see --cluster_from).",
+)
+_CLUSTER_FROM = flags.DEFINE_enum(
+    "cluster_from",
+    "auto",
+    ["auto", "flags", "tf_config", "jobset", "local"],
+    "Where the cluster and this task's role come from. auto: --job_name "
+    "and the host flags if --job_name is given, else TF_CONFIG if set, "
+    "else a JobSet pod's TF2SYNC_JOBSET_* environment (examples/deploy/"
+    "jobset.yaml) if set, else --local_cluster. The others use that source "
+    "only and refuse to start without it (and with --job_name, but for "
+    "flags).",
 )
 _TASK_INDEX = flags.DEFINE_integer("task_index", 0, "This task's index.")
 _PS_HOSTS = flags.DEFINE_list("ps_hosts", [], "ps tasks, host:port,...")
@@ -51,7 +71,8 @@ _LOCAL_CLUSTER = flags.DEFINE_string(
     "local_cluster",
     "2,1",
     "WORKERS,PS: start this cluster as local subprocesses on 127.0.0.1 "
-    "(used when neither --job_name nor TF_CONFIG is set).",
+    "(used when neither --job_name, TF_CONFIG nor a JobSet's environment "
+    "is set; see --cluster_from).",
 )
 _NUM_PS = flags.DEFINE_integer(
     "num_ps",
@@ -100,10 +121,18 @@ _JOB_MODULE = flags.DEFINE_string(
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Batch per replica.")
 _EPOCHS = flags.DEFINE_integer("epochs", 10, "Epochs to train.")
 _STEPS_PER_EPOCH = flags.DEFINE_integer(
-    "steps_per_epoch", None, "Replica steps per epoch (default: one pass)."
+    "steps_per_epoch",
+    None,
+    "Replica steps (pushes) per epoch, over all workers. Default: one pass "
+    "over the data, each worker reading its shard once "
+    "(workers x ceil(num_train_examples / workers / batch_size)).",
 )
 _STEPS_PER_EXECUTION = flags.DEFINE_integer(
-    "steps_per_execution", 10, "Synchronous steps per scheduled function."
+    "steps_per_execution",
+    None,
+    "Replica steps per scheduled function. Default: a worker's steps of an "
+    "epoch (one function per worker and epoch, which keeps each worker on "
+    "its own shard) when they are at most 100, else 10.",
 )
 _UNROLL_STEPS = flags.DEFINE_boolean(
     "unroll_steps",
@@ -190,8 +219,19 @@ _EVAL_TIMEOUT = flags.DEFINE_float(
     600.0,
     "Evaluator: stop when no new checkpoint comes for this many seconds.",
 )
+_VERBOSE_SYNC_METRICS = flags.DEFINE_boolean(
+    "verbose_sync_metrics",
+    False,
+    "Show every sync figure on the epoch line (accepted_w0, stale_w0, "
+    "barrier_wait_s_epoch, ...), not only sync_steps, stale_dropped and "
+    "examples_per_s. They are in the logs (History, TensorBoard) either way.",
+)
 _TASK_LOG_DIR = flags.DEFINE_string(
-    "task_log_dir", None, "Where local-cluster tasks write their logs."
+    "task_log_dir",
+    None,
+    "Where the logs of the local cluster's tasks (ps0.log, worker0.log, ...) "
+    "and TensorFlow's C++ log of the chief (chief.log) go. Default: a new "
+    "temporary directory, printed once.",
 )
 
 
@@ -247,13 +287,59 @@ def _check_num_ps(num_ps):
         )
 
 
+def _cluster_source():
+    """Where the cluster comes from: flags, tf_config, jobset or local.
+
+    --cluster_from=auto: the first of the module docstring's modes that is
+    given. Another value is that source, refused (usage error) if it is
+    missing or if --job_name is given with anything but `flags`; a JobSet
+    environment that lacks a variable is refused by `_jobset_task`.
+    """
+    from tf2sync._src import jobset
+
+    source = _CLUSTER_FROM.value
+    job_name = _JOB_NAME.value
+    if source == "auto":
+        if job_name is not None:
+            return "flags"
+        if os.environ.get("TF_CONFIG"):
+            return "tf_config"
+        return "jobset" if jobset.is_jobset(os.environ) else "local"
+    if source == "flags" and job_name is None:
+        raise app.UsageError(
+            "--cluster_from=flags needs --job_name (and the host flags).",
+            exitcode=2,
+        )
+    if source != "flags" and job_name is not None:
+        raise app.UsageError(
+            f"--job_name={job_name} conflicts with --cluster_from={source}: "
+            "role flags are --cluster_from=flags (or auto).",
+            exitcode=2,
+        )
+    if source == "tf_config" and not os.environ.get("TF_CONFIG"):
+        raise app.UsageError(
+            "--cluster_from=tf_config but TF_CONFIG is not set.", exitcode=2
+        )
+    return source
+
+
+def _jobset_task():
+    """This JobSet pod's `jobset.JobSetTask`; bad environment: usage error."""
+    from tf2sync._src import jobset
+
+    try:
+        return jobset.cluster_from_environ(os.environ)
+    except ValueError as e:
+        raise app.UsageError(str(e), exitcode=2) from None
+
+
 def _check_input():
     """Refuses bad flags, TF_CONFIG, job module or checkpoint directory.
 
     One line naming the flag (or TF_CONFIG) and the value, absl's usage
     error (exit code 2), from `main` before any task starts and before the
     chief connects (see `flag_checks`). ps and worker tasks check the
-    flags and TF_CONFIG only.
+    flags and TF_CONFIG (or the JobSet environment) only.
     """
     from tf2sync._src import flag_checks
 
@@ -281,10 +367,13 @@ def _check_input():
         {h.name: h.value for h in (_CONNECT_TIMEOUT, _EVAL_TIMEOUT)}
     )
     role = _JOB_NAME.value
-    if role is None and os.environ.get("TF_CONFIG"):
+    source = _cluster_source()
+    if source == "tf_config":
         config = flag_checks.parse_tf_config(os.environ["TF_CONFIG"])
         role = config["task"]["type"]
-    elif role is None:
+    elif source == "jobset":
+        role = _jobset_task().task_type
+    elif source == "local":
         _local_workers_and_ps()  # this process is the chief
         role = "chief"
     if role in ("ps", "worker"):
@@ -450,6 +539,7 @@ def _chief_config():
         worker_timeout=_WORKER_TIMEOUT.value or None,
         checkpoint_dir=_CHECKPOINT_DIR.value,
         model_log_dir=_MODEL_LOG_DIR.value,
+        verbose_sync_metrics=_VERBOSE_SYNC_METRICS.value,
         ps_restart_timeout=_PS_RESTART_TIMEOUT.value,
         min_shard_bytes=_MIN_SHARD_BYTES.value,
         max_shards=_MAX_SHARDS.value,
@@ -521,7 +611,7 @@ def _main():
         return 0
     if job_name == "chief":
         _check_num_ps(len(_spec_from_flags()["ps"]))
-    elif job_name is None and not os.environ.get("TF_CONFIG"):
+    elif _cluster_source() == "local":
         _local_workers_and_ps()  # a usage error before anything imports
     job = _load_job()
     if job_name == "chief":
@@ -539,17 +629,24 @@ def _main():
         return 0
     if job_name == "evaluator":
         return _evaluate(job)
-    if os.environ.get("TF_CONFIG"):
+    source = _cluster_source()
+    if source == "tf_config":
         return _main_tf_config(job)
+    if source == "jobset":
+        return _main_jobset(job)
     from tf2sync._src import processes
 
     workers, ps = _local_workers_and_ps()
-    cluster = processes.LocalProcessCluster(
-        workers, ps, log_dir=_TASK_LOG_DIR.value
+    log_dir = console.launcher_log_dir() or console.task_log_dir(
+        _TASK_LOG_DIR.value
     )
+    cluster = processes.LocalProcessCluster(workers, ps, log_dir=log_dir)
     try:  # a signal meanwhile stops the cluster: processes.exit_on_signals
         resolver = cluster.start(timeout=_CONNECT_TIMEOUT.value)
-        print(f"tf2sync: local task pids={cluster.pids}", flush=True)
+        print(
+            f"tf2sync: local task pids={cluster.pids}, logs in {log_dir}",
+            flush=True,
+        )
         train(resolver, job)
     finally:
         cluster.stop()
@@ -625,9 +722,34 @@ def _main_tf_config(job):
     spec = resolver.cluster_spec().as_dict()
     task = config.get("task", {})
     task_type, index = task.get("type"), task.get("index", 0)
+    return _run_task(job, spec, task_type, index, resolver, "TF_CONFIG")
+
+
+def _main_jobset(job):
+    """A JobSet pod: the role and cluster of `jobset.cluster_from_environ`."""
+    import tensorflow as tf
+
+    spec, task_type, index = _jobset_task()
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec),
+        task_type=task_type,
+        task_id=index,
+        rpc_layer="grpc",
+    )
+    return _run_task(
+        job, spec, task_type, index, resolver, "The JobSet environment"
+    )
+
+
+def _run_task(job, spec, task_type, index, resolver, source):
+    """Runs task `task_type`:`index` of cluster `spec` (a dict).
+
+    A ps or worker serves, the chief trains through `resolver`, an evaluator
+    evaluates. `source` names where `spec` came from, in errors.
+    """
     if not spec.get("ps") or not spec.get("worker"):
         raise app.UsageError(
-            "TF_CONFIG must name 'ps' and 'worker' tasks. Received cluster: "
+            f"{source} must name 'ps' and 'worker' tasks. Received cluster: "
             f"{spec}",
             exitcode=2,
         )
@@ -643,8 +765,8 @@ def _main_tf_config(job):
     if task_type == "evaluator":
         return _evaluate(job)
     raise app.UsageError(
-        "TF_CONFIG task.type must be chief, ps, worker or evaluator. Received: "
-        f"{task_type!r}"
+        f"{source} task.type must be chief, ps, worker or evaluator. "
+        f"Received: {task_type!r}"
     )
 
 
@@ -656,15 +778,7 @@ def _import_job_before_flags(argv):
     default for that job (the command line still wins). A module that does
     not import is left to `_load_job`, which reports it after parsing.
     """
-    name = _JOB_MODULE.default
-    args = argv[1:]
-    for i, arg in enumerate(args):
-        if arg == "--":
-            break
-        if arg.startswith("--job_module="):
-            name = arg.split("=", 1)[1]
-        elif arg == "--job_module" and i + 1 < len(args):
-            name = args[i + 1]
+    name = console.flag_value(argv, "job_module") or _JOB_MODULE.default
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -677,5 +791,6 @@ def _import_job_before_flags(argv):
 
 def run():
     """Console-script entry point."""
+    console.setup_launcher(sys.argv)  # done already by `tf2sync`'s import
     _import_job_before_flags(sys.argv)
     app.run(main)

@@ -337,9 +337,15 @@ class Trainer:
         if self._saver:
             self._saver.save(epoch + 1)
         if self._verbose == 2:
+            show_all = any(
+                getattr(c, "show_all", False)
+                for c in self._callbacks
+                if isinstance(c, callbacks_lib.SyncMetrics)
+            )
+            shown = logs if show_all else callbacks_lib.epoch_line(logs)
             print(
                 f"epoch {epoch + 1}/{epochs} "
-                + " ".join(f"{k}={v:.4g}" for k, v in logs.items()),
+                + " ".join(f"{k}={v:.4g}" for k, v in shown.items()),
                 flush=True,
             )
 

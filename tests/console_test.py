@@ -1,0 +1,115 @@
+"""The launcher's console: TensorFlow's C++ log to a file, Python's kept."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from tf2sync._src import console
+
+# A child that moves its descriptor 2 away, then writes as TF's C++ runtime
+# does (straight to descriptor 2) and as Python code does.
+_CHILD = r"""
+import logging, os, sys, warnings
+from absl import logging as absl_logging
+from tf2sync._src import console
+console.native_logs_to(sys.argv[1])
+os.write(2, b"I0000 00:00:1.0 1 cpu_feature_guard.cc:227] native line\n")
+print("python stderr line", file=sys.stderr)
+absl_logging.warning("absl warning line")
+logging.getLogger("tensorflow").warning("tf python logger line")
+warnings.warn("a python warning line")
+raise SystemExit(3)
+"""
+
+
+class NativeLogsTest(absltest.TestCase):
+    def test_native_lines_go_to_the_file_python_lines_to_stderr(self):
+        path = os.path.join(tempfile.mkdtemp(), "chief.log")
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD, path],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        self.assertEqual(out.returncode, 3, out.stderr)
+        for line in (
+            "python stderr line",
+            "absl warning line",
+            "tf python logger line",
+            "a python warning line",
+        ):
+            self.assertIn(line, out.stderr)
+        self.assertNotIn("native line", out.stderr)
+        with open(path) as f:
+            self.assertIn("cpu_feature_guard.cc:227] native line", f.read())
+
+
+class ServesTest(parameterized.TestCase):
+    @parameterized.named_parameters(
+        ("ps_flag", ["--job_name=ps"], {}, True),
+        ("worker_flag", ["--job_name", "worker"], {}, True),
+        ("chief_flag", ["--job_name=chief"], {}, False),
+        ("last_flag_wins", ["--job_name=ps", "--job_name=chief"], {}, False),
+        ("local", [], {}, False),
+        (
+            "tf_config_ps",
+            [],
+            {"TF_CONFIG": json.dumps({"task": {"type": "ps", "index": 0}})},
+            True,
+        ),
+        (
+            "tf_config_chief",
+            [],
+            {"TF_CONFIG": json.dumps({"task": {"type": "chief"}})},
+            False,
+        ),
+        ("tf_config_malformed", [], {"TF_CONFIG": "{"}, False),
+        (
+            "jobset_worker",
+            [],
+            {"TF2SYNC_JOBSET_REPLICATED_JOB": "worker"},
+            True,
+        ),
+        (
+            "jobset_chief",
+            [],
+            {"TF2SYNC_JOBSET_REPLICATED_JOB": "chief"},
+            False,
+        ),
+        (
+            "role_flags_before_jobset",
+            ["--job_name=chief"],
+            {"TF2SYNC_JOBSET_REPLICATED_JOB": "ps"},
+            False,
+        ),
+        (
+            "explicit_jobset_over_tf_config",
+            ["--cluster_from=jobset"],
+            {
+                "TF_CONFIG": json.dumps({"task": {"type": "chief"}}),
+                "TF2SYNC_JOBSET_REPLICATED_JOB": "ps",
+            },
+            True,
+        ),
+    )
+    def test_serves(self, args, environ, expected):
+        self.assertEqual(console.serves(["tf2sync", *args], environ), expected)
+
+    def test_flag_value_stops_at_double_dash(self):
+        argv = ["tf2sync", "--task_log_dir=/a", "--", "--task_log_dir=/b"]
+        self.assertEqual(console.flag_value(argv, "task_log_dir"), "/a")
+        self.assertIsNone(console.flag_value(["tf2sync"], "task_log_dir"))
+
+    def test_is_launcher(self):
+        self.assertTrue(console.is_launcher(["/venv/bin/tf2sync", "--x"]))
+        self.assertFalse(console.is_launcher(["-m"]))
+        self.assertFalse(console.is_launcher(["/usr/bin/python3"]))
+
+
+if __name__ == "__main__":
+    absltest.main()

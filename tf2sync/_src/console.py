@@ -1,0 +1,170 @@
+"""What the launcher's console shows: tf2sync's and Keras's lines only.
+
+TensorFlow's C++ runtime writes its log (oneDNN, CUDA, CPU feature guard,
+gRPC server start, ...) straight to file descriptor 2, before and outside
+Python's logging. The launcher's interactive roles (the local mode's
+chief, `--job_name=chief`, the evaluator) move descriptor 2 to a log file
+and give Python a new `sys.stderr` on the original stream, so Python's
+lines (absl and Keras logging, warnings, tracebacks, tf2sync's one-line
+errors) still reach the console and TensorFlow's C++ lines go to the file.
+
+`TF_CPP_MIN_LOG_LEVEL` defaults to 1 in every role (a value already in the
+environment is kept): INFO lines of the C++ runtime are not written at all,
+warnings and errors go to the log file.
+
+Both must happen before TensorFlow loads, and importing `tf2sync` loads it:
+`tf2sync/__init__.py` calls `setup_launcher` first thing when the process
+is the `tf2sync` command (`sys.argv[0]`). This module imports no TensorFlow.
+`python -m tf2sync` runs the same setup from `launch.run`, after the import:
+the lines TensorFlow writes while it loads then still reach the console.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+_state = {"log_dir": None, "done": False}
+
+# Must be set before TensorFlow's C++ runtime loads (before `import
+# tensorflow`): the runtime reads it once.
+DEFAULT_TF_CPP_MIN_LOG_LEVEL = "1"
+
+
+def quiet_tensorflow_info() -> None:
+    """Sets `TF_CPP_MIN_LOG_LEVEL` to 1 unless the environment sets it."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", DEFAULT_TF_CPP_MIN_LOG_LEVEL)
+
+
+def task_log_dir(requested: str | None) -> str:
+    """`requested` (created if need be), or a new temporary directory."""
+    if requested:
+        os.makedirs(requested, exist_ok=True)
+        return requested
+    return tempfile.mkdtemp(prefix="tf2sync-logs-")
+
+
+def native_logs_to(path: str) -> None:
+    """Sends file descriptor 2 to `path`; Python's stderr stays on the console.
+
+    After this call, whatever writes to descriptor 2 directly (TensorFlow's
+    C++ logging, child processes that inherit it) appends to `path`, and
+    `sys.stderr` (with absl's log handler, which holds its own reference) is
+    a new stream on the original descriptor 2. Call it before `import
+    tensorflow` so that TensorFlow's Python logger picks the new stream too.
+
+    Args:
+      path: The log file; created or appended to.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    old = sys.stderr
+    console = os.dup(2)
+    os.set_inheritable(console, False)
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stderr = os.fdopen(
+        console,
+        "w",
+        buffering=1,
+        encoding=getattr(old, "encoding", None) or "utf-8",
+        errors="backslashreplace",
+    )
+    _repoint_handlers(old, sys.stderr)
+
+
+def _repoint_handlers(old, new) -> None:
+    """Logging handlers already made on `old` (absl's) now write to `new`."""
+    import logging
+
+    from absl import logging as absl_logging
+
+    handlers = [absl_logging.get_absl_handler().python_handler]
+    loggers = [logging.getLogger()] + [
+        logger
+        for logger in logging.root.manager.loggerDict.values()
+        if isinstance(logger, logging.Logger)
+    ]
+    for logger in loggers:
+        handlers.extend(logger.handlers)
+    for handler in handlers:
+        if getattr(handler, "stream", None) in (old, sys.__stderr__):
+            handler.stream = new
+
+
+def flag_value(argv, name):
+    """The last `--NAME=V` / `--NAME V` in `argv` (as absl reads), or None."""
+    args = argv[1:]
+    value = None
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        if arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == f"--{name}" and i + 1 < len(args):
+            value = args[i + 1]
+    return value
+
+
+def serves(argv, environ=os.environ) -> bool:
+    """Whether `argv` and the environment make this process a ps or worker.
+
+    The same precedence as the launcher's `--cluster_from` (role flags,
+    TF_CONFIG, a JobSet pod); a malformed source is left to the launcher.
+    """
+    from tf2sync._src import jobset  # no TensorFlow
+
+    source = flag_value(argv, "cluster_from") or "auto"
+    job_name = flag_value(argv, "job_name")
+    if source in ("auto", "flags") and job_name is not None:
+        return job_name in ("ps", "worker")
+    if source in ("auto", "tf_config") and environ.get("TF_CONFIG"):
+        try:
+            config = json.loads(environ["TF_CONFIG"])
+            return config.get("task", {}).get("type") in ("ps", "worker")
+        except (ValueError, AttributeError):
+            return False
+    if source == "jobset" or (source == "auto" and jobset.is_jobset(environ)):
+        return environ.get(jobset.REPLICATED_JOB) in ("ps", "worker")
+    return False
+
+
+def is_launcher(argv=None) -> bool:
+    """Whether this process is the `tf2sync` console script."""
+    argv = sys.argv if argv is None else argv
+    return bool(argv) and os.path.basename(argv[0]) == "tf2sync"
+
+
+def setup_launcher(argv) -> str | None:
+    """The launcher's console: TF's C++ log to `<task log dir>/chief.log`.
+
+    Servers (ps, worker) keep theirs on their own stderr: in the local mode
+    that is already their log file, elsewhere it is what their logs show.
+    Runs once per process; a directory that cannot be made is left to the
+    launcher to report (it then makes it again).
+
+    Returns:
+      The task log directory (`--task_log_dir`, or a new temporary one), or
+      None for a server or when the directory cannot be made.
+    """
+    quiet_tensorflow_info()
+    if _state["done"]:
+        return _state["log_dir"]
+    _state["done"] = True
+    if serves(argv):
+        return None
+    try:
+        log_dir = task_log_dir(flag_value(argv, "task_log_dir"))
+        native_logs_to(os.path.join(log_dir, "chief.log"))
+    except OSError:
+        return None
+    _state["log_dir"] = log_dir
+    return log_dir
+
+
+def launcher_log_dir() -> str | None:
+    """The directory `setup_launcher` chose, if it ran and sent logs there."""
+    return _state["log_dir"]
