@@ -28,7 +28,7 @@ class ChiefConfig:
     batch_size: int = 32
     epochs: int = 10
     steps_per_epoch: int | None = None
-    steps_per_execution: int = 10
+    steps_per_execution: int | None = None
     unroll_steps: bool = True
     learning_rate: float = 0.01
     momentum: float = 0.9
@@ -38,6 +38,7 @@ class ChiefConfig:
     worker_timeout: float | None = 60.0
     checkpoint_dir: str | None = None
     model_log_dir: str | None = None
+    verbose_sync_metrics: bool = False
     ps_restart_timeout: float = 300.0
     min_shard_bytes: int | None = None
     max_shards: int | None = None
@@ -254,11 +255,12 @@ def _train_once(resolver, job, config: ChiefConfig):
     num_workers = len(spec["worker"])
     rta = config.replicas_to_aggregate or num_workers
     total = config.total_num_replicas or max(num_workers, rta)
+    steps, per_function = epoch_plan(
+        job.num_train_examples(), config, num_workers
+    )
+    config = dataclasses.replace(config, steps_per_execution=per_function)
     strategy = _strategy(resolver, config, rta, total)
     model, optimizer = _compiled_model(strategy, job, config, rta, total)
-    steps = config.steps_per_epoch or max(
-        1, job.num_train_examples() // (config.batch_size * num_workers)
-    )
     _print_plan(config, num_workers, len(spec["ps"]), rta, total, steps)
     _print_shards(model)
     shim = config.sync_optimizer == "tf1_shim"
@@ -273,6 +275,39 @@ def _train_once(resolver, job, config: ChiefConfig):
         totals = _sync_totals(optimizer, accuracy, seconds, num_workers)
     totals["eval"] = metrics
     return totals
+
+
+# Steps per function the default looks for: each is a copy of the step in
+# the function's graph, traced before the first call (see unroll_fit_steps).
+_MAX_STEPS_PER_FUNCTION = 10
+
+
+def epoch_plan(num_examples: int, config: ChiefConfig, num_workers: int):
+    """`(steps per epoch, steps per function)` for `config`.
+
+    Unset, an epoch is one pass: each worker reads its shard of
+    `ceil(num_examples / num_workers)` examples once, in
+    `ceil(shard / batch_size)` steps. Unset, a function holds the largest
+    divisor of a worker's steps of an epoch up to 10 (if it is at least 5
+    or all of them; else 10): every function of an epoch is then the same
+    size and each worker runs as many of them as the others, so each
+    worker pushes its shard's batches, no more, in every epoch (see
+    `docs/data.md`).
+    """
+    shard = -(-num_examples // num_workers)
+    per_worker = max(1, -(-shard // config.batch_size))
+    steps = config.steps_per_epoch or num_workers * per_worker
+    per_function = config.steps_per_execution
+    if per_function is None:
+        per_worker = -(-steps // num_workers)
+        per_function = max(
+            d
+            for d in range(1, _MAX_STEPS_PER_FUNCTION + 1)
+            if per_worker % d == 0
+        )
+        if per_function < min(5, per_worker):
+            per_function = _MAX_STEPS_PER_FUNCTION
+    return steps, per_function
 
 
 def _strategy(resolver, config: ChiefConfig, rta: int, total: int):
@@ -394,7 +429,13 @@ def _callbacks(model, config: ChiefConfig, shim: bool):
     import tf2sync
 
     batch = config.batch_size
-    callbacks = [] if shim else [tf2sync.SyncMetrics(batch_size=batch)]
+    callbacks = []
+    if not shim:
+        callbacks.append(
+            tf2sync.SyncMetrics(
+                batch_size=batch, verbose=config.verbose_sync_metrics
+            )
+        )
     initial_epoch = 0
     if config.checkpoint_dir:
         saver = checkpointing.EpochCheckpoint(

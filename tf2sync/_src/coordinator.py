@@ -30,7 +30,13 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
     returns this instance: tf_keras and user loops get it unchanged.
 
     On workers without GPUs, per-worker datasets are iterated directly (see
-    `create_per_worker_dataset`).
+    `create_per_worker_dataset`). A dataset function is traced with its
+    worker's index too: `distribute_datasets_from_function` (and so
+    `DatasetCreator` in `fit`) gives it an `InputContext` whose
+    `input_pipeline_id` is that index (an int64 tensor) and whose
+    `num_input_pipelines` is the number of workers, so that
+    `dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)` gives
+    each worker its own shard (under stock PSS every worker gets 0 of 1).
 
     `plan_epoch` caps the updates of an epoch that `fit` or `Trainer` is
     starting (see `Aggregator.plan_updates`); scheduling a function they
@@ -77,7 +83,18 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             unrolled_fit.steps_per_execution_on_coordinator(model, handler)
             # fit makes its train function next: repeat its steps.
             unrolled_fit.repeat_by_default(model)
-        return super().create_per_worker_dataset(dataset_fn)
+        if not callable(dataset_fn) or isinstance(
+            dataset_fn, tf.types.experimental.ConcreteFunction
+        ):
+            return super().create_per_worker_dataset(dataset_fn)
+
+        def indexed(worker):  # traced once; each worker passes its index
+            with step_context.WorkerScope(worker):
+                return dataset_fn()
+
+        return tf_internals.indexed_per_worker_dataset(
+            self, indexed, self._ids()
+        )
 
     def _ids(self):
         if self._worker_ids is None:

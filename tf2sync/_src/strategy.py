@@ -60,6 +60,29 @@ class _SyncExtended(tf_internals.ParameterServerExtended):
             )
         return super()._experimental_distribute_dataset(dataset, options)
 
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        # Traced for each worker by the coordinator (its index set): the
+        # input context names the worker's pipeline, as under MWMS.
+        worker = step_context.current_worker()
+        if worker is None:
+            return super()._distribute_datasets_from_function(
+                dataset_fn, options
+            )
+        num_workers = self._num_workers
+
+        def per_worker_fn(context):
+            return dataset_fn(
+                tf.distribute.InputContext(
+                    num_input_pipelines=num_workers,
+                    input_pipeline_id=worker,
+                    num_replicas_in_sync=context.num_replicas_in_sync,
+                )
+            )
+
+        return super()._distribute_datasets_from_function(
+            per_worker_fn, options
+        )
+
     def _create_variable(self, next_creator, **kwargs):
         var = super()._create_variable(next_creator, **kwargs)
         for part in tf_internals.shards([var]):  # each shard on its ps

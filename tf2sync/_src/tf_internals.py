@@ -32,6 +32,9 @@ from tensorflow.python.distribute import sharded_variable
 from tensorflow.python.distribute.coordinator import (
     cluster_coordinator as coordinator_lib,
 )
+from tensorflow.python.distribute.coordinator import (
+    values as coordinator_values,
+)
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.eager import executor as eager_executor
 from tensorflow.python.ops import resource_variable_ops
@@ -223,6 +226,75 @@ def coordinator_workers(coordinator) -> list:
     """The coordinator's workers, in task order (`_cluster.workers`); each
     has `create_resource(fn)`. No public list."""
     return list(coordinator._cluster.workers)
+
+
+def indexed_per_worker_dataset(coordinator, dataset_fn, worker_ids):
+    """`coordinator.create_per_worker_dataset(dataset_fn)`, where `dataset_fn`
+    takes each worker's int64 index: `worker_ids` (a `PerWorkerValues` of
+    them) is passed to every worker's dataset and iterator resource, so a
+    worker that restarts rebuilds them with its own index.
+
+    `values.PerWorkerDatasetFromDatasetFunction` calls its function with no
+    arguments; this subclass traces it with one and overrides the two
+    methods that call it (`build`, `__iter__`), as they are in [2.21] and
+    [2.15].
+    """
+    return _IndexedPerWorkerDataset(dataset_fn, coordinator, worker_ids)
+
+
+class _IndexedPerWorkerDataset(
+    coordinator_values.PerWorkerDatasetFromDatasetFunction
+):
+    def __init__(self, dataset_fn, coordinator, worker_ids):
+        def no_variables(next_creator, **kwargs):
+            del next_creator, kwargs
+            raise ValueError(
+                "Creating variables in `dataset_fn` is not allowed."
+            )
+
+        with tf.variable_creator_scope(no_variables):
+            concrete = tf.function(dataset_fn).get_concrete_function(
+                tf.TensorSpec([], tf.int64)
+            )
+        super().__init__(concrete, coordinator)
+        self._worker_ids = worker_ids
+
+    def build(self):
+        dataset_fn = self._dataset_fn
+
+        def dataset_of(index):  # run for each worker, on it
+            return dataset_fn(index)
+
+        datasets = self._coordinator._create_per_worker_resources(
+            dataset_of, args=(self._worker_ids,)
+        )
+        spec = self._dataset_fn.structured_outputs._type_spec
+        for remote in datasets._values:
+            remote._type_spec = spec
+        return datasets
+
+    def __iter__(self):
+        if not tf.executing_eagerly():
+            raise RuntimeError(
+                "__iter__() is not supported inside of tf.function or in "
+                "graph mode."
+            )
+        dataset_fn = self._dataset_fn
+
+        def iterator_of(index):  # run for each worker, on it
+            return iter(dataset_fn(index))
+
+        iterators = self._coordinator._create_per_worker_resources(
+            iterator_of, args=(self._worker_ids,)
+        )
+        spec = input_lib.get_iterator_spec_from_dataset(
+            self._coordinator.strategy, self._dataset_fn.structured_outputs
+        )
+        for remote in iterators._values:
+            remote._type_spec = spec
+        return coordinator_values.PerWorkerDistributedIterator(
+            iterators._values
+        )
 
 
 def inflight_closures(coordinator) -> tuple[int, bool]:
