@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging as logging_lib
 import re
-import sys
 import time
 
 import tensorflow as tf
@@ -255,9 +254,7 @@ def _train_once(resolver, job, config: ChiefConfig):
     num_workers = len(spec["worker"])
     rta = config.replicas_to_aggregate or num_workers
     total = config.total_num_replicas or max(num_workers, rta)
-    steps, per_function = epoch_plan(
-        job.num_train_examples(), config, num_workers
-    )
+    steps, per_function = epoch_plan(job, config, num_workers)
     config = dataclasses.replace(config, steps_per_execution=per_function)
     strategy = _strategy(resolver, config, rta, total)
     model, optimizer = _compiled_model(strategy, job, config, rta, total)
@@ -282,21 +279,23 @@ def _train_once(resolver, job, config: ChiefConfig):
 _MAX_STEPS_PER_FUNCTION = 10
 
 
-def epoch_plan(num_examples: int, config: ChiefConfig, num_workers: int):
-    """`(steps per epoch, steps per function)` for `config`.
+def epoch_plan(job, config: ChiefConfig, num_workers: int):
+    """`(steps per epoch, steps per function)` for `config` and `job`.
 
     Unset, an epoch is one pass: each worker reads its shard of
-    `ceil(num_examples / num_workers)` examples once, in
-    `ceil(shard / batch_size)` steps. Unset, a function holds the largest
-    divisor of a worker's steps of an epoch up to 10 (if it is at least 5
-    or all of them; else 10): every function of an epoch is then the same
-    size and each worker runs as many of them as the others, so each
-    worker pushes its shard's batches, no more, in every epoch (see
-    `docs/data.md`).
+    `ceil(job.num_train_examples() / num_workers)` examples once, in
+    `ceil(shard / batch_size)` steps (a shard one example smaller can have
+    one batch fewer: then an epoch is not exactly one pass). Unset, a
+    function holds the largest divisor of a worker's steps of an epoch up
+    to 10 (if it is at least 5 or all of them; else 10): every function
+    of an epoch is then the same size, so workers that keep pace run as
+    many of them and each pushes its shard's batches, no more, in every
+    epoch (see `docs/data.md`).
     """
-    shard = -(-num_examples // num_workers)
-    per_worker = max(1, -(-shard // config.batch_size))
-    steps = config.steps_per_epoch or num_workers * per_worker
+    steps = config.steps_per_epoch
+    if not steps:  # the job's `num_train_examples` is only needed here
+        shard = -(-job.num_train_examples() // num_workers)
+        steps = num_workers * max(1, -(-shard // config.batch_size))
     per_function = config.steps_per_execution
     if per_function is None:
         per_worker = -(-steps // num_workers)
@@ -397,10 +396,16 @@ def _fit(model, job, config: ChiefConfig, steps: int, shim: bool) -> float:
     Returns:
       The seconds `fit` took.
     """
+    import tf2sync
+
     batch = config.batch_size
-    data = tf.keras.utils.experimental.DatasetCreator(
-        lambda ctx: job.train_dataset(ctx, batch)
+    # An epoch of one pass (the default) starts each worker's pass anew.
+    creator = (
+        tf.keras.utils.experimental.DatasetCreator
+        if config.steps_per_epoch
+        else tf2sync.OnePassPerEpoch
     )
+    data = creator(lambda ctx: job.train_dataset(ctx, batch))
     callbacks, initial_epoch = _callbacks(model, config, shim)
     if hasattr(job, "callbacks"):  # the job's own (benchmarks/chaos.py)
         callbacks += job.callbacks()
@@ -410,8 +415,9 @@ def _fit(model, job, config: ChiefConfig, steps: int, shim: bool) -> float:
         epochs=config.epochs,
         initial_epoch=initial_epoch,
         steps_per_epoch=steps,
-        # A progress bar in a terminal, one line per epoch otherwise.
-        verbose=1 if sys.stdout.isatty() else 2,
+        # One line per epoch, in a terminal too: tf_keras refuses a
+        # progress bar (verbose=1) under ParameterServerStrategy.
+        verbose=2,
         callbacks=callbacks,
     )
     return time.monotonic() - start

@@ -30,13 +30,14 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
     returns this instance: tf_keras and user loops get it unchanged.
 
     On workers without GPUs, per-worker datasets are iterated directly (see
-    `create_per_worker_dataset`). A dataset function is traced with its
-    worker's index too: `distribute_datasets_from_function` (and so
-    `DatasetCreator` in `fit`) gives it an `InputContext` whose
-    `input_pipeline_id` is that index (an int64 tensor) and whose
-    `num_input_pipelines` is the number of workers, so that
-    `dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)` gives
-    each worker its own shard (under stock PSS every worker gets 0 of 1).
+    `create_per_worker_dataset`). A dataset function is traced once per
+    worker: `distribute_datasets_from_function` (and so `DatasetCreator`
+    in `fit`) gives it an `InputContext` whose `input_pipeline_id` is that
+    worker's index and whose `num_input_pipelines` is the number of
+    workers, so that `dataset.shard(ctx.num_input_pipelines,
+    ctx.input_pipeline_id)` gives each worker its own shard (under stock
+    PSS every worker gets 0 of 1). tf_keras's exact evaluation keeps
+    stock PSS's context: it shards its dataset itself.
 
     `plan_epoch` caps the updates of an epoch that `fit` or `Trainer` is
     starting (see `Aggregator.plan_updates`); scheduling a function they
@@ -78,23 +79,31 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             "_ClusterCoordinatorDataHandler"
         )
         model = tf_internals.data_handler_model(handler)
+        if isinstance(
+            tf_internals.data_handler_dataset_creator(handler), OnePassPerEpoch
+        ):
+            tf_internals.new_iterator_each_epoch(handler)
         if model is not None:
             _check_not_jit_compiled(model)
             unrolled_fit.steps_per_execution_on_coordinator(model, handler)
             # fit makes its train function next: repeat its steps.
             unrolled_fit.repeat_by_default(model)
-        if not callable(dataset_fn) or isinstance(
-            dataset_fn, tf.types.experimental.ConcreteFunction
+        if (
+            not callable(dataset_fn)
+            or isinstance(dataset_fn, tf.types.experimental.ConcreteFunction)
+            # tf_keras shards its finite dataset over functions itself.
+            or for_exact_evaluation()
         ):
             return super().create_per_worker_dataset(dataset_fn)
 
-        def indexed(worker):  # traced once; each worker passes its index
-            with step_context.WorkerScope(worker):
-                return dataset_fn()
+        def dataset_fn_of(worker: int):  # traced for that worker
+            def traced():
+                with step_context.DatasetWorkerScope(worker):
+                    return dataset_fn()
 
-        return tf_internals.indexed_per_worker_dataset(
-            self, indexed, self._ids()
-        )
+            return traced
+
+        return tf_internals.indexed_per_worker_dataset(self, dataset_fn_of)
 
     def _ids(self):
         if self._worker_ids is None:
@@ -199,6 +208,25 @@ def _worker_failed(index, error):
     watchdog.alarm_all(
         f"worker {index} failed ({type(error).__name__}: {first[:120]})"
     )
+
+
+class OnePassPerEpoch(tf.keras.utils.experimental.DatasetCreator):
+    """A `DatasetCreator` whose every `fit` epoch starts a new pass.
+
+    `fit` keeps one iterator per worker for all epochs of a
+    `DatasetCreator`, so once a worker has pushed more or fewer batches
+    than its shard holds in one epoch, its passes straddle every later
+    epoch. With this one, each worker's iterator is made again at the
+    start of every epoch (a fresh pass over its shard, reshuffled): an
+    epoch in which each worker pushes its shard's batches is exactly one
+    pass over the data, whatever earlier epochs did. Use it with a dataset
+    function that shards by its input context and an epoch of one pass
+    (`docs/data.md`); with an epoch shorter than a pass, every epoch would
+    read the same first part of each shard.
+
+    Under stock PSS (no tf2sync coordinator) it is a plain
+    `DatasetCreator`.
+    """
 
 
 def for_exact_evaluation() -> bool:

@@ -2,7 +2,8 @@
 
 `StepContext` is set while `SyncParameterServerStrategy.run` traces a step
 of the core protocol (`current_step`); the worker index is set while the
-coordinator traces a scheduled function (`current_worker`).
+coordinator traces a scheduled function (`current_worker`), and the worker a
+dataset function is traced for (`dataset_worker`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,23 @@ class WorkerScope:
 
     def __exit__(self, *exc):
         _STEP.worker = self._previous
+
+
+def dataset_worker():
+    """The index (int) of the worker a dataset function is traced for."""
+    return getattr(_STEP, "dataset_worker", None)
+
+
+class DatasetWorkerScope:
+    def __init__(self, worker: int):
+        self._worker = worker
+
+    def __enter__(self):
+        self._previous = dataset_worker()
+        _STEP.dataset_worker = self._worker
+
+    def __exit__(self, *exc):
+        _STEP.dataset_worker = self._previous
 
 
 def in_sync_apply() -> bool:

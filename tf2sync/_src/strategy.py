@@ -63,7 +63,7 @@ class _SyncExtended(tf_internals.ParameterServerExtended):
     def _distribute_datasets_from_function(self, dataset_fn, options):
         # Traced for each worker by the coordinator (its index set): the
         # input context names the worker's pipeline, as under MWMS.
-        worker = step_context.current_worker()
+        worker = step_context.dataset_worker()
         if worker is None:
             return super()._distribute_datasets_from_function(
                 dataset_fn, options

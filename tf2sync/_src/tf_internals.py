@@ -228,65 +228,71 @@ def coordinator_workers(coordinator) -> list:
     return list(coordinator._cluster.workers)
 
 
-def indexed_per_worker_dataset(coordinator, dataset_fn, worker_ids):
-    """`coordinator.create_per_worker_dataset(dataset_fn)`, where `dataset_fn`
-    takes each worker's int64 index: `worker_ids` (a `PerWorkerValues` of
-    them) is passed to every worker's dataset and iterator resource, so a
-    worker that restarts rebuilds them with its own index.
+def indexed_per_worker_dataset(coordinator, dataset_fn_of):
+    """`coordinator.create_per_worker_dataset`, with one function per worker:
+    worker i's dataset and iterator resources are made by
+    `dataset_fn_of(i)` (a function of no arguments), traced for it, so a
+    worker that restarts rebuilds them with its own function.
 
-    `values.PerWorkerDatasetFromDatasetFunction` calls its function with no
-    arguments; this subclass traces it with one and overrides the two
+    `values.PerWorkerDatasetFromDatasetFunction` traces one function for
+    every worker; this subclass keeps one per worker and overrides the two
     methods that call it (`build`, `__iter__`), as they are in [2.21] and
-    [2.15].
+    [2.15]. `element_spec` is worker 0's (the same for all).
     """
-    return _IndexedPerWorkerDataset(dataset_fn, coordinator, worker_ids)
+    return _IndexedPerWorkerDataset(dataset_fn_of, coordinator)
+
+
+def _no_variables(next_creator, **kwargs):
+    del next_creator, kwargs
+    raise ValueError("Creating variables in `dataset_fn` is not allowed.")
 
 
 class _IndexedPerWorkerDataset(
     coordinator_values.PerWorkerDatasetFromDatasetFunction
 ):
-    def __init__(self, dataset_fn, coordinator, worker_ids):
-        def no_variables(next_creator, **kwargs):
-            del next_creator, kwargs
-            raise ValueError(
-                "Creating variables in `dataset_fn` is not allowed."
-            )
+    def __init__(self, dataset_fn_of, coordinator):
+        functions = []
+        with tf.variable_creator_scope(_no_variables):
+            for i in range(len(coordinator_workers(coordinator))):
+                functions.append(
+                    tf.function(dataset_fn_of(i)).get_concrete_function()
+                )
+        super().__init__(functions[0], coordinator)
+        self._functions = functions
 
-        with tf.variable_creator_scope(no_variables):
-            concrete = tf.function(dataset_fn).get_concrete_function(
-                tf.TensorSpec([], tf.int64)
+    def _per_worker(self, make):
+        workers = coordinator_workers(self._coordinator)
+        return coordinator_values.PerWorkerValues(
+            tuple(
+                worker.create_resource(make(function))
+                for worker, function in zip(workers, self._functions)
             )
-        super().__init__(concrete, coordinator)
-        self._worker_ids = worker_ids
+        )
 
     def build(self):
-        dataset_fn = self._dataset_fn
+        def dataset_maker(function):
+            return lambda: function()
 
-        def dataset_of(index):  # run for each worker, on it
-            return dataset_fn(index)
-
-        datasets = self._coordinator._create_per_worker_resources(
-            dataset_of, args=(self._worker_ids,)
-        )
+        datasets = self._per_worker(dataset_maker)
         spec = self._dataset_fn.structured_outputs._type_spec
         for remote in datasets._values:
             remote._type_spec = spec
         return datasets
 
     def __iter__(self):
-        if not tf.executing_eagerly():
+        if (
+            not tf.executing_eagerly()
+            or tf.compat.v1.get_default_graph().building_function
+        ):
             raise RuntimeError(
                 "__iter__() is not supported inside of tf.function or in "
                 "graph mode."
             )
-        dataset_fn = self._dataset_fn
 
-        def iterator_of(index):  # run for each worker, on it
-            return iter(dataset_fn(index))
+        def iterator_maker(function):
+            return lambda: iter(function())
 
-        iterators = self._coordinator._create_per_worker_resources(
-            iterator_of, args=(self._worker_ids,)
-        )
+        iterators = self._per_worker(iterator_maker)
         spec = input_lib.get_iterator_spec_from_dataset(
             self._coordinator.strategy, self._dataset_fn.structured_outputs
         )
@@ -478,6 +484,22 @@ def caller_self_of_type(type_name):
 def data_handler_model(handler):
     """The model a tf_keras data handler serves (`_model`), or None."""
     return getattr(handler, "_model", None)
+
+
+def data_handler_dataset_creator(handler):
+    """The `DatasetCreator` a data handler reads (its adapter's), or None."""
+    adapter = getattr(handler, "_adapter", None)
+    return getattr(adapter, "dataset_creator", None)
+
+
+def new_iterator_each_epoch(handler) -> None:
+    """Makes a data handler create its iterator again at each epoch.
+
+    `DatasetCreatorAdapter.should_recreate_iterator` is False (tf_keras
+    expects a dataset function's shuffle to run across epochs); the handler
+    asks its adapter at every epoch (`enumerate_epochs`) [2.21] [2.15].
+    """
+    handler._adapter.should_recreate_iterator = lambda: True
 
 
 # tf_keras training [2.21] [2.15: kept] ---------------------------------------

@@ -126,12 +126,15 @@ def build_optimizer(learning_rate: float, momentum: float):
 
 
 def train_dataset(input_context, batch_size: int) -> tf.data.Dataset:
-    del input_context  # Under PSS every worker gets the same context.
     ids, labels = _arrays()
     n = num_train_examples()
     ds = tf.data.Dataset.from_tensor_slices((ids[:n], labels[:n]))
-    # No seed: each worker draws its own order (see digits.py).
-    return ds.shuffle(min(n, 50_000)).repeat().batch(batch_size)
+    # Each worker its shard (the input context names it under tf2sync).
+    ds = ds.shard(
+        input_context.num_input_pipelines, input_context.input_pipeline_id
+    )
+    shard = -(-n // input_context.num_input_pipelines)
+    return ds.shuffle(min(shard, 50_000)).batch(batch_size).repeat()
 
 
 def eval_arrays():

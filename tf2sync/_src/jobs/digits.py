@@ -65,10 +65,11 @@ def optimizer_groups(learning_rate: float):
 def train_dataset(input_context, batch_size: int) -> tf.data.Dataset:
     """Worker `input_pipeline_id`'s shard, reshuffled and read once per pass.
 
-    Under tf2sync the input context names each worker's pipeline (an int64
-    tensor; stock PSS gives every worker 0 of 1). With the launcher's
-    default epoch (each worker's shard in one function), each example is in
-    one applied gradient per epoch (see docs/data.md).
+    Under tf2sync the input context names each worker's pipeline (stock
+    PSS gives every worker 0 of 1). With the launcher's default epoch (one
+    pass, read through `tf2sync.OnePassPerEpoch`), an epoch in which each
+    worker pushes its shard's batches has each example in one applied
+    gradient (see docs/data.md).
     """
     x, y = _arrays()
     ds = tf.data.Dataset.from_tensor_slices((x[:_NUM_TRAIN], y[:_NUM_TRAIN]))
