@@ -49,56 +49,21 @@ class NativeLogsTest(absltest.TestCase):
             self.assertIn("cpu_feature_guard.cc:227] native line", f.read())
 
 
-class ServesTest(parameterized.TestCase):
+class LocalModeTest(parameterized.TestCase):
     @parameterized.named_parameters(
-        ("ps_flag", ["--job_name=ps"], {}, True),
-        ("worker_flag", ["--job_name", "worker"], {}, True),
-        ("chief_flag", ["--job_name=chief"], {}, False),
-        ("last_flag_wins", ["--job_name=ps", "--job_name=chief"], {}, False),
-        ("local", [], {}, False),
-        (
-            "tf_config_ps",
-            [],
-            {"TF_CONFIG": json.dumps({"task": {"type": "ps", "index": 0}})},
-            True,
-        ),
-        (
-            "tf_config_chief",
-            [],
-            {"TF_CONFIG": json.dumps({"task": {"type": "chief"}})},
-            False,
-        ),
-        ("tf_config_malformed", [], {"TF_CONFIG": "{"}, False),
-        (
-            "jobset_worker",
-            [],
-            {"TF2SYNC_JOBSET_REPLICATED_JOB": "worker"},
-            True,
-        ),
-        (
-            "jobset_chief",
-            [],
-            {"TF2SYNC_JOBSET_REPLICATED_JOB": "chief"},
-            False,
-        ),
-        (
-            "role_flags_before_jobset",
-            ["--job_name=chief"],
-            {"TF2SYNC_JOBSET_REPLICATED_JOB": "ps"},
-            False,
-        ),
-        (
-            "explicit_jobset_over_tf_config",
-            ["--cluster_from=jobset"],
-            {
-                "TF_CONFIG": json.dumps({"task": {"type": "chief"}}),
-                "TF2SYNC_JOBSET_REPLICATED_JOB": "ps",
-            },
-            True,
-        ),
+        ("no_flags", [], {}, True),
+        ("ps_flag", ["--job_name=ps"], {}, False),
+        ("chief_flag", ["--job_name", "chief"], {}, False),
+        ("tf_config", [], {"TF_CONFIG": json.dumps({"task": {}})}, False),
+        ("jobset", [], {"TF2SYNC_JOBSET_REPLICATED_JOB": "chief"}, False),
+        ("explicit_local", ["--cluster_from=local"], {"TF_CONFIG": "{}"}, True),
+        ("explicit_jobset", ["--cluster_from=jobset"], {}, False),
+        ("after_double_dash", ["--", "--job_name=ps"], {}, True),
     )
-    def test_serves(self, args, environ, expected):
-        self.assertEqual(console.serves(["tf2sync", *args], environ), expected)
+    def test_runs_local_cluster(self, args, environ, expected):
+        self.assertEqual(
+            console.runs_local_cluster(["tf2sync", *args], environ), expected
+        )
 
     def test_flag_value_stops_at_double_dash(self):
         argv = ["tf2sync", "--task_log_dir=/a", "--", "--task_log_dir=/b"]

@@ -102,6 +102,7 @@ class FaultTest(absltest.TestCase):
         directory = tempfile.mkdtemp()
         args = _chief_args(spec, directory, 40)
         args[args.index("--steps_per_epoch=20")] = "--steps_per_epoch=50"
+        args.append("--verbose_sync_metrics")  # accepted_w1 on the line
         chief = procutil.start(args)
         try:
             procutil.wait_for_line(chief, "Epoch 2/40")

@@ -146,6 +146,20 @@ class JobSetManifestTest(absltest.TestCase):
         self.assertEqual(pods, {"ps": 1, "worker": 2, "chief": 1})
         self.assertIs(self.js["spec"]["network"]["enableDNSHostnames"], True)
 
+    def test_started_in_order(self):
+        # The chief's Job is made once the workers run, theirs once the ps
+        # does: pulling images does not count against --connect_timeout.
+        self.assertNotIn("dependsOn", self.rjobs["ps"])
+        self.assertEqual(
+            self.rjobs["worker"]["dependsOn"],
+            [{"name": "ps", "status": "Ready"}],
+        )
+        self.assertEqual(
+            self.rjobs["chief"]["dependsOn"],
+            [{"name": "worker", "status": "Ready"}],
+        )
+        self.assertNotIn("startupPolicy", self.js["spec"])  # exclusive
+
     def test_done_when_the_chief_is(self):
         self.assertEqual(
             self.js["spec"]["successPolicy"],
@@ -553,8 +567,13 @@ class LauncherTest(absltest.TestCase):
             ["--cluster_from=jobset"], _environ(JOB_COMPLETION_INDEX=None)
         )
         self.assertEqual(code, 2, stderr)
-        # absl's usage hint, then the error on one line.
-        lines = [line for line in stderr.splitlines() if line.strip()]
+        # absl's usage hint, then the error on one line (a cluster role
+        # keeps TensorFlow's C++ start-up lines on its stderr: left out).
+        lines = [
+            line
+            for line in stderr.splitlines()
+            if line.strip() and not re.search(r"\.cc:\d+\]|InitializeLog", line)
+        ]
         self.assertEqual(lines[0].strip(), "USAGE: tf2sync [flags]", stderr)
         self.assertLen(lines, 2, stderr)
         self.assertStartsWith(lines[1], "JOB_COMPLETION_INDEX is not set:")

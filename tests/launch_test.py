@@ -306,8 +306,49 @@ _NATIVE_LOG_LINE = re.compile(
 )
 
 
+def _run_on_a_terminal(args, env, timeout):
+    """Runs `args` with stdout on a pseudo-terminal (as in a user's shell,
+    where `isatty()` is true), stderr piped; returns a CompletedProcess."""
+    import pty
+    import select
+    import time
+
+    main, child_end = pty.openpty()
+    process = subprocess.Popen(
+        args,
+        stdout=child_end,
+        stderr=subprocess.PIPE,
+        **procutil.child_kwargs(env),
+    )
+    os.close(child_end)
+    err = process.stderr.fileno()
+    chunks, errors = [], []
+    open_fds, deadline = {main, err}, time.monotonic() + timeout
+    try:
+        while open_fds and time.monotonic() < deadline:
+            ready, _, _ = select.select(list(open_fds), [], [], 1.0)
+            for fd in ready:
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:  # EIO: the terminal's other end is closed
+                    data = b""
+                if data:
+                    (chunks if fd == main else errors).append(data)
+                else:
+                    open_fds.discard(fd)
+        process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        procutil.kill(process)
+        os.close(main)
+    stdout = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    stderr = b"".join(errors).decode(errors="replace")
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
 class MainJobConsoleTest(absltest.TestCase):
-    """The README's main job as a user runs it: what its console shows."""
+    """The README's main job as a user runs it, stdout on a terminal (where
+    the launcher once asked tf_keras for a progress bar, refused under PSS).
+    """
 
     def test_no_tensorflow_log_line_and_short_epoch_lines(self):
         script = os.path.join(os.path.dirname(sys.executable), "tf2sync")
@@ -320,13 +361,7 @@ class MainJobConsoleTest(absltest.TestCase):
             "TF_CONFIG",
         ):
             env.pop(name, None)
-        out = subprocess.run(
-            [script, "--epochs=2"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            **procutil.child_kwargs(env),
-        )
+        out = _run_on_a_terminal([script, "--epochs=2"], env, timeout=300)
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         console = (out.stdout + out.stderr).splitlines()
         native = [line for line in console if _NATIVE_LOG_LINE.search(line)]

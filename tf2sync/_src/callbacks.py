@@ -111,7 +111,10 @@ class SyncMetrics(tf_keras.callbacks.ProgbarLogger):
     uses instead of its own; `verbose` of `fit` still applies): the epoch
     line shows the loss, the metrics, `sync_steps`, `stale_dropped`,
     `examples_per_s` and `nonfinite_dropped` when not 0; every figure stays
-    in the logs. Do not pass another `ProgbarLogger` with it.
+    in the logs. Do not pass another `ProgbarLogger` with it (both would
+    print). The line shows what the logs hold when `SyncMetrics` runs:
+    list it after callbacks that add to the logs (`ReduceLROnPlateau`'s
+    `lr`) and before those that record them (`CSVLogger`, `TensorBoard`).
     """
 
     def __init__(self, batch_size: int | None = None, verbose: bool = False):

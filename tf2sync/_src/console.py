@@ -2,11 +2,11 @@
 
 TensorFlow's C++ runtime writes its log (oneDNN, CUDA, CPU feature guard,
 gRPC server start, ...) straight to file descriptor 2, before and outside
-Python's logging. The launcher's interactive roles (the local mode's
-chief, `--job_name=chief`, the evaluator) move descriptor 2 to a log file
-and give Python a new `sys.stderr` on the original stream, so Python's
-lines (absl and Keras logging, warnings, tracebacks, tf2sync's one-line
-errors) still reach the console and TensorFlow's C++ lines go to the file.
+Python's logging. The launcher's local mode (the whole cluster on this
+machine, what a person runs first) moves descriptor 2 to a log file and
+gives Python a new `sys.stderr` on the original stream, so Python's lines
+(absl and Keras logging, warnings, tracebacks, tf2sync's one-line errors)
+still reach the console and TensorFlow's C++ lines go to the file.
 
 `TF_CPP_MIN_LOG_LEVEL` defaults to 1 in every role (a value already in the
 environment is kept): INFO lines of the C++ runtime are not written at all,
@@ -21,12 +21,11 @@ the lines TensorFlow writes while it loads then still reach the console.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
 
-_state = {"log_dir": None, "done": False}
+_state = {"log_dir": None, "done": False, "console_fd": 2}
 
 # Must be set before TensorFlow's C++ runtime loads (before `import
 # tensorflow`): the runtime reads it once.
@@ -63,6 +62,7 @@ def native_logs_to(path: str) -> None:
     old = sys.stderr
     console = os.dup(2)
     os.set_inheritable(console, False)
+    _state["console_fd"] = console
     log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 2)
     os.close(log)
@@ -109,27 +109,22 @@ def flag_value(argv, name):
     return value
 
 
-def serves(argv, environ=os.environ) -> bool:
-    """Whether `argv` and the environment make this process a ps or worker.
+def runs_local_cluster(argv, environ=os.environ) -> bool:
+    """Whether `argv` and the environment make the launcher's local mode.
 
-    The same precedence as the launcher's `--cluster_from` (role flags,
-    TF_CONFIG, a JobSet pod); a malformed source is left to the launcher.
+    The same precedence as the launcher's `--cluster_from`: role flags,
+    TF_CONFIG and a JobSet pod come before `--local_cluster`.
     """
     from tf2sync._src import jobset  # no TensorFlow
 
     source = flag_value(argv, "cluster_from") or "auto"
-    job_name = flag_value(argv, "job_name")
-    if source in ("auto", "flags") and job_name is not None:
-        return job_name in ("ps", "worker")
-    if source in ("auto", "tf_config") and environ.get("TF_CONFIG"):
-        try:
-            config = json.loads(environ["TF_CONFIG"])
-            return config.get("task", {}).get("type") in ("ps", "worker")
-        except (ValueError, AttributeError):
-            return False
-    if source == "jobset" or (source == "auto" and jobset.is_jobset(environ)):
-        return environ.get(jobset.REPLICATED_JOB) in ("ps", "worker")
-    return False
+    if source != "auto":
+        return source == "local"
+    if flag_value(argv, "job_name") is not None:
+        return False
+    if environ.get("TF_CONFIG"):
+        return False
+    return not jobset.is_jobset(environ)
 
 
 def is_launcher(argv=None) -> bool:
@@ -139,22 +134,24 @@ def is_launcher(argv=None) -> bool:
 
 
 def setup_launcher(argv) -> str | None:
-    """The launcher's console: TF's C++ log to `<task log dir>/chief.log`.
+    """The local mode's console: TF's C++ log to `<task log dir>/chief.log`.
 
-    Servers (ps, worker) keep theirs on their own stderr: in the local mode
-    that is already their log file, elsewhere it is what their logs show.
-    Runs once per process; a directory that cannot be made is left to the
-    launcher to report (it then makes it again).
+    Only in the local mode, where the launcher prints the directory (with
+    the tasks' logs) once. The roles of a cluster (ps, worker, chief,
+    evaluator) keep TensorFlow's log on their stderr, where their
+    platform's logs (`kubectl logs`, Slurm's output) show it. Runs once per
+    process; a directory that cannot be made is left to the launcher to
+    report (it then makes it again).
 
     Returns:
       The task log directory (`--task_log_dir`, or a new temporary one), or
-      None for a server or when the directory cannot be made.
+      None outside the local mode or when the directory cannot be made.
     """
     quiet_tensorflow_info()
     if _state["done"]:
         return _state["log_dir"]
     _state["done"] = True
-    if serves(argv):
+    if not runs_local_cluster(argv):
         return None
     try:
         log_dir = task_log_dir(flag_value(argv, "task_log_dir"))
@@ -163,6 +160,11 @@ def setup_launcher(argv) -> str | None:
         return None
     _state["log_dir"] = log_dir
     return log_dir
+
+
+def console_fd() -> int:
+    """The descriptor of the console's stderr: 2, or its copy once moved."""
+    return _state["console_fd"]
 
 
 def launcher_log_dir() -> str | None:

@@ -29,6 +29,7 @@ import threading
 import time
 
 from tf2sync._src import cluster as cluster_lib
+from tf2sync._src import console as console_lib
 
 # Set in a child's environment by `child_kwargs`: the PID that started it.
 PARENT_ENV = "TF2SYNC_PARENT_PID"
@@ -313,10 +314,13 @@ def _end(code, reason):
     flusher.join(1.0)
     saved = None
     with contextlib.suppress(OSError):
-        saved = os.dup(2)
+        # The console's stderr: descriptor 2, unless the launcher moved
+        # TensorFlow's log off it (see `console`).
+        console = console_lib.console_fd()
+        saved = os.dup(console)
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
+        for fd in {1, 2, console}:
+            os.dup2(devnull, fd)
     clusters = list(_CLUSTERS)
     for cluster in clusters:
         with contextlib.suppress(Exception):
