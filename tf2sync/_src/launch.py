@@ -130,9 +130,9 @@ _STEPS_PER_EPOCH = flags.DEFINE_integer(
 _STEPS_PER_EXECUTION = flags.DEFINE_integer(
     "steps_per_execution",
     None,
-    "Replica steps per scheduled function. Default: a worker's steps of an "
-    "epoch (one function per worker and epoch, which keeps each worker on "
-    "its own shard) when they are at most 100, else 10.",
+    "Replica steps per scheduled function. Default: the largest divisor "
+    "of a worker's steps of an epoch up to 10 (if at least 5, else 10), so "
+    "that the epoch's functions are the same size (docs/data.md).",
 )
 _UNROLL_STEPS = flags.DEFINE_boolean(
     "unroll_steps",
