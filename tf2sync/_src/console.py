@@ -109,22 +109,27 @@ def flag_value(argv, name):
     return value
 
 
-def runs_local_cluster(argv, environ=os.environ) -> bool:
-    """Whether `argv` and the environment make the launcher's local mode.
+def auto_cluster_source(job_name, environ=os.environ) -> str:
+    """`--cluster_from=auto`'s source: flags, tf_config, jobset or local.
 
-    The same precedence as the launcher's `--cluster_from`: role flags,
-    TF_CONFIG and a JobSet pod come before `--local_cluster`.
+    Role flags first, then TF_CONFIG, then a JobSet pod, else the local
+    mode (the launcher's module docstring).
     """
     from tf2sync._src import jobset  # no TensorFlow
 
-    source = flag_value(argv, "cluster_from") or "auto"
-    if source != "auto":
-        return source == "local"
-    if flag_value(argv, "job_name") is not None:
-        return False
+    if job_name is not None:
+        return "flags"
     if environ.get("TF_CONFIG"):
-        return False
-    return not jobset.is_jobset(environ)
+        return "tf_config"
+    return "jobset" if jobset.is_jobset(environ) else "local"
+
+
+def runs_local_cluster(argv, environ=os.environ) -> bool:
+    """Whether `argv` and the environment make the launcher's local mode."""
+    source = flag_value(argv, "cluster_from") or "auto"
+    if source == "auto":
+        source = auto_cluster_source(flag_value(argv, "job_name"), environ)
+    return source == "local"
 
 
 def is_launcher(argv=None) -> bool:

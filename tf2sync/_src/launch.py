@@ -295,16 +295,10 @@ def _cluster_source():
     missing or if --job_name is given with anything but `flags`; a JobSet
     environment that lacks a variable is refused by `_jobset_task`.
     """
-    from tf2sync._src import jobset
-
     source = _CLUSTER_FROM.value
     job_name = _JOB_NAME.value
     if source == "auto":
-        if job_name is not None:
-            return "flags"
-        if os.environ.get("TF_CONFIG"):
-            return "tf_config"
-        return "jobset" if jobset.is_jobset(os.environ) else "local"
+        return console.auto_cluster_source(job_name, os.environ)
     if source == "flags" and job_name is None:
         raise app.UsageError(
             "--cluster_from=flags needs --job_name (and the host flags).",

@@ -41,16 +41,26 @@ def current_step():
     return getattr(_STEP, "context", None)
 
 
-class StepScope:
-    def __init__(self, context):
-        self._context = context
+class _Scope:
+    """Sets `_STEP.<name>` to a value inside a `with`, then restores it."""
+
+    def __init__(self, name, value):
+        self._name = name
+        self._value = value
 
     def __enter__(self):
-        self._previous = current_step()
-        _STEP.context = self._context
+        self._previous = getattr(_STEP, self._name, None)
+        setattr(_STEP, self._name, self._value)
 
     def __exit__(self, *exc):
-        _STEP.context = self._previous
+        setattr(_STEP, self._name, self._previous)
+
+
+class StepScope(_Scope):
+    """Makes `context` the `current_step()` inside a `with`."""
+
+    def __init__(self, context):
+        super().__init__("context", context)
 
 
 def current_worker():
@@ -58,16 +68,11 @@ def current_worker():
     return getattr(_STEP, "worker", None)
 
 
-class WorkerScope:
+class WorkerScope(_Scope):
+    """Makes `worker` the `current_worker()` inside a `with`."""
+
     def __init__(self, worker):
-        self._worker = worker
-
-    def __enter__(self):
-        self._previous = current_worker()
-        _STEP.worker = self._worker
-
-    def __exit__(self, *exc):
-        _STEP.worker = self._previous
+        super().__init__("worker", worker)
 
 
 def dataset_worker():
@@ -75,16 +80,11 @@ def dataset_worker():
     return getattr(_STEP, "dataset_worker", None)
 
 
-class DatasetWorkerScope:
-    def __init__(self, worker: int):
-        self._worker = worker
+class DatasetWorkerScope(_Scope):
+    """Makes `worker` the `dataset_worker()` inside a `with`."""
 
-    def __enter__(self):
-        self._previous = dataset_worker()
-        _STEP.dataset_worker = self._worker
-
-    def __exit__(self, *exc):
-        _STEP.dataset_worker = self._previous
+    def __init__(self, worker):
+        super().__init__("dataset_worker", worker)
 
 
 def in_sync_apply() -> bool:

@@ -338,7 +338,7 @@ class Trainer:
             self._saver.save(epoch + 1)
         if self._verbose == 2:
             show_all = any(
-                getattr(c, "show_all", False)
+                c.show_all
                 for c in self._callbacks
                 if isinstance(c, callbacks_lib.SyncMetrics)
             )
