@@ -197,6 +197,13 @@ class BadInputTest(parameterized.TestCase):
             f"--checkpoint_dir={self.file}: is a file, not a directory.",
         )
 
+    def test_task_log_dir_under_a_file(self):
+        self._check_refused(
+            [f"--task_log_dir={self.file}/logs"],
+            f"--task_log_dir={self.file}/logs: cannot be created: "
+            f"{self.file} is a file.",
+        )
+
     def test_checkpoint_dir_under_a_file(self):
         path = os.path.join(self.file, "ckpt")
         self._check_refused(

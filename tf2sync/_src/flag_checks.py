@@ -64,9 +64,12 @@ def _is_remote(path: str) -> bool:
     return "://" in path  # gs://, s3://, hdfs://: left to TensorFlow
 
 
-def check_checkpoint_dir(path: str | None, *, writable: bool) -> None:
-    """Refuses a --checkpoint_dir that is a file or (if `writable`) one the
-    chief could not write into or create.
+def check_checkpoint_dir(
+    path: str | None, *, writable: bool, name: str = "checkpoint_dir"
+) -> None:
+    """Refuses a --checkpoint_dir (or another directory flag, `name`) that
+    is a file or (if `writable`) one the chief could not write into or
+    create.
 
     A directory that does not exist yet is fine if its nearest existing
     parent is a writable directory (the chief creates it at its first
@@ -74,7 +77,7 @@ def check_checkpoint_dir(path: str | None, *, writable: bool) -> None:
     """
     if not path or _is_remote(path):
         return
-    flag = f"--checkpoint_dir={path}"
+    flag = f"--{name}={path}"
     if os.path.exists(path) and not os.path.isdir(path):
         _refuse(f"{flag}: is a file, not a directory.")
     if not writable:

@@ -337,6 +337,10 @@ def _check_input():
     """
     from tf2sync._src import flag_checks
 
+    if _cluster_source() == "local":  # where the local tasks' logs go
+        flag_checks.check_checkpoint_dir(
+            _TASK_LOG_DIR.value, writable=True, name="task_log_dir"
+        )
     flag_checks.check_positive_ints(
         {
             h.name: h.value
