@@ -194,6 +194,35 @@ class Aggregator:
         with tf.init_scope():
             self.step_limit.assign(NO_LIMIT)
 
+    def flush(self) -> bool:
+        """Applies the pushes of an incomplete step as their mean (eagerly).
+
+        For an epoch that ends with its data (`data_service`): call once no
+        step runs (after a join). With `c` gradients of the current step
+        accumulated, `0 < c < replicas_to_aggregate`, applies their mean as
+        an update (the global step rises by 1) and leaves the barrier with
+        one step's tokens, as after any update. Returns whether it applied.
+        """
+        with tf.init_scope():
+            step = int(self.global_step.numpy())
+            pushes = int(self.count.numpy())
+            if pushes <= 0 or int(self.acc_step.numpy()) != step:
+                return False
+            queue = self.token_queue
+
+            def flush():
+                # The step's unused tokens go: the apply releases a step's.
+                left = queue.dequeue_many(queue.size())
+                with tf.control_dependencies([left]):
+                    return self._apply(self.count.read_value(), pushes)
+
+            def on_ps():  # the chief's function; each op where it lives
+                with tf.device(self.device):
+                    return self._cs.execute(flush)
+
+            tf.function(on_ps, autograph=False)()
+            return True
+
     @property
     def token_queue(self) -> tf.queue.FIFOQueue:
         """The barrier's queue of tokens, on the global step's ps."""
@@ -534,7 +563,7 @@ class Aggregator:
                 [tf.cast(counts, tf.float64), tf.reshape(wait, [1])], axis=0
             )
 
-    def _drain_sparse(self, count):
+    def _drain_sparse(self, count, pushes=None):
         """Dequeues the step's pushes of each sparse variable: their mean.
 
         Returns `(unique ids, mean rows)` per sparse variable: the rows'
@@ -546,14 +575,14 @@ class Aggregator:
         count to 0), so each queue holds exactly that many pushes here. They
         are dequeued one by one and concatenated once: a `tf.while_loop` of
         dequeues over the count, concatenating as it went, would copy the
-        rows again at each push.
+        rows again at each push. `pushes` (a Python int) is the count when
+        it is known to be another (`flush`).
         """
+        if pushes is None:
+            pushes = self.config.replicas_to_aggregate
         grads = []
         for slot in self._layout.sparse:
-            parts = [
-                slot.queue.dequeue()
-                for _ in range(self.config.replicas_to_aggregate)
-            ]
+            parts = [slot.queue.dequeue() for _ in range(pushes)]
             indices = tf.concat([idx for idx, _ in parts], 0)
             values = tf.concat([val for _, val in parts], 0)
             if self._sparse_mean == "rows":
@@ -589,8 +618,10 @@ class Aggregator:
             ops.append(self.acc_step.assign(step, read_value=False))
         return tf.group(ops)
 
-    def _apply(self, count):
-        """Applies the mean of the accumulated gradients; releases tokens."""
+    def _apply(self, count, pushes=None):
+        """Applies the mean of the accumulated gradients; releases tokens.
+
+        `pushes`: the Python int count of a `flush`, else None."""
         layout = self._layout
         grads_and_vars = []
         for group in layout.dense:
@@ -598,7 +629,8 @@ class Aggregator:
             flat = group.buffer.read_value() / n
             for var, part in zip(group.variables, tf.split(flat, group.sizes)):
                 grads_and_vars.append((tf.reshape(part, var.shape), var))
-        for slot, (idx, val) in zip(layout.sparse, self._drain_sparse(count)):
+        drained = self._drain_sparse(count, pushes)
+        for slot, (idx, val) in zip(layout.sparse, drained):
             grads_and_vars.append(
                 (
                     tf.IndexedSlices(

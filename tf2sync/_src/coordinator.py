@@ -134,7 +134,7 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         before scheduling the epoch's first function `fn`; without a
         `tf2sync.SyncOptimizer` attached, does nothing.
         """
-        aggregator = _core_aggregator(self.strategy)
+        aggregator = core_aggregator(self.strategy)
         if aggregator is None:
             return
         current = self._plan_run
@@ -156,7 +156,7 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         """Removes the cap (a function nobody planned is scheduled)."""
         self._planned = None
         self._plan_run = None
-        aggregator = _core_aggregator(self.strategy)
+        aggregator = core_aggregator(self.strategy)
         if aggregator is not None:
             aggregator.clear_plan()
 
@@ -193,7 +193,7 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         return super().schedule(wrapped, args=args, kwargs=kwargs)
 
 
-def _core_aggregator(strategy):
+def core_aggregator(strategy):
     """The `Aggregator` of the strategy's SyncOptimizer, or None (none
     attached, or the TF1 shim's, which plans nothing)."""
     protocol = strategy._protocol
