@@ -23,6 +23,7 @@ from tf2sync._src import loss_scale as _loss_scale  # noqa: E402
 _loss_scale.install()
 from tf2sync._src.callbacks import SyncMetrics  # noqa: E402
 from tf2sync._src.coordinator import OnePassPerEpoch  # noqa: E402
+from tf2sync._src.data_service import ServicePassPerEpoch  # noqa: E402
 from tf2sync._src.multi_optimizer import MultiOptimizer  # noqa: E402
 from tf2sync._src.optimizer import SyncOptimizer  # noqa: E402
 from tf2sync._src.options import SyncOptions  # noqa: E402
@@ -36,6 +37,7 @@ __all__ = [
     "compat",
     "MultiOptimizer",
     "OnePassPerEpoch",
+    "ServicePassPerEpoch",
     "SyncMetrics",
     "SyncOptimizer",
     "SyncOptions",

@@ -24,6 +24,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 import tf_keras
+from tensorflow.python.data.experimental.ops import data_service_ops
 from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute import parameter_server_strategy_v2
@@ -920,3 +921,29 @@ def is_wrapped_by_loss_scale_optimizer(optimizer) -> bool:
     """Whether a tf_keras loss-scale optimizer wraps `optimizer` (the flag
     it sets on it)."""
     return bool(getattr(optimizer, "_is_wrapped_by_loss_scale_optimizer", 0))
+
+
+# tf.data service [2.21] [2.15] ----------------------------------------------
+
+
+def service_dataset_of_job(service, dataset_id, element_spec, job_name):
+    """`tf.data.experimental.service.from_dataset_id` in "distributed_epoch"
+    mode with `job_name` a string *tensor* (computed on the worker).
+
+    The public function takes only a Python string; its private
+    `_from_dataset_id`, which it calls, takes a tensor too [2.21] [2.15].
+    Its uncompression function is cached per element spec and added only
+    to the graph that first made it; made again here, it is in the
+    library of every worker's function (else a process that connects to
+    a second cluster sends a function whose definition it lacks).
+    """
+    cache = getattr(data_service_ops, "_get_uncompress_func", None)
+    if cache is not None and hasattr(cache, "cache_clear"):
+        cache.cache_clear()
+    return data_service_ops._from_dataset_id(
+        processing_mode="distributed_epoch",
+        service=service,
+        dataset_id=dataset_id,
+        element_spec=element_spec,
+        job_name=job_name,
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import sys
 import time
 
@@ -11,8 +12,12 @@ import tf_keras
 from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import checkpointing
 from tf2sync._src import compat_v1
+from tf2sync._src import coordinator as coordinator_lib
+from tf2sync._src import data_service
 from tf2sync._src import loops
 from tf2sync._src import options as options_lib
+from tf2sync._src import step_context
+from tf2sync._src import tf_internals
 
 
 class Trainer:
@@ -204,34 +209,83 @@ class Trainer:
 
         return loop
 
+    def _pass_loop_function(self):
+        """The loop of a `ServicePassPerEpoch` epoch (`data_service`, 3.).
+
+        Each step runs only if its worker's iterator gave an element.
+        Returns `(loss sum, steps run, worker, pass ended)`.
+        """
+        steps = self.steps_per_loop
+        group = {None: self.options.max_unrolled_steps, True: 1}.get(
+            self.use_tf_while_loop, steps
+        )
+
+        @tf.function
+        def loop(iterator):
+            def step(carry):
+                total, ran, ended = carry
+                element = iterator.get_next_as_optional()
+
+                def run():
+                    loss = self.strategy.run(
+                        self.train_step, args=(element.get_value(),)
+                    )
+                    return total + tf.cast(loss, tf.float32), ran + 1, ended
+
+                return tf.cond(
+                    element.has_value(),
+                    run,
+                    lambda: (total, ran, tf.constant(True)),
+                )
+
+            start = (
+                tf.constant(0.0),
+                tf.constant(0, tf.int64),
+                tf.constant(False),
+            )
+            total, ran, ended = loops.repeat(step, steps, group, start)
+            worker = step_context.current_worker()
+            if worker is None:
+                worker = tf.constant(-1, tf.int64)
+            return total, ran, worker, ended
+
+        return loop
+
     def _sync_totals(self, sync):
         if self._shim:  # TF1 drops stale gradients silently: steps only
             return {"sync_steps": int(self.global_step.numpy())}
         return callbacks_lib.sync_totals(sync)
 
-    def train(self, dataset_fn, *, epochs: int, steps_per_epoch: int):
+    def train(
+        self, dataset_fn, *, epochs: int, steps_per_epoch: int | None = None
+    ):
         """Trains, resuming from the latest checkpoint if there is one.
 
         Args:
           dataset_fn: `dataset_fn(input_context) -> tf.data.Dataset`,
-            called on each worker; must repeat.
+            called on each worker; must repeat. Or a
+            `tf2sync.ServicePassPerEpoch`: each epoch is then one pass of
+            a tf.data service job shared by the workers, and ends with it.
           epochs: Total epochs (resumed ones included).
           steps_per_epoch: Replica steps per epoch; a multiple of
-            `steps_per_loop`.
+            `steps_per_loop`. None (only) with a `ServicePassPerEpoch`.
 
         Returns:
           The `tf.keras.callbacks.History` of the epochs run.
 
         Raises:
           ValueError: If `steps_per_epoch` is not a multiple of
-            `steps_per_loop`.
+            `steps_per_loop`, or is given with a `ServicePassPerEpoch`
+            (or missing without one); or a `ServicePassPerEpoch` is given
+            with the TF1 shim.
         """
-        self._check_steps_per_epoch(steps_per_epoch)
+        service = isinstance(dataset_fn, data_service.ServicePassPerEpoch)
+        self._check_steps_per_epoch(steps_per_epoch, service)
         self._restore_latest_checkpoint()
         if self._saver:  # traced while every task answers
             self._saver.prepare()
         start_epoch = int(self._epoch.numpy())
-        loops_per_epoch = steps_per_epoch // self.steps_per_loop
+        loops_per_epoch = (steps_per_epoch or 0) // self.steps_per_loop
         history = tf_keras.callbacks.History()
         callback_list = tf_keras.callbacks.CallbackList(
             self._callbacks + [history],
@@ -240,9 +294,15 @@ class Trainer:
             steps=steps_per_epoch,
             verbose=0,
         )
-        iterator = self._per_worker_iterator(dataset_fn)
         self._run = _Run()  # this call's plan (see `_run_epoch`)
-        loop = self._loop = self._loop_function()
+        if service:
+            per_worker, next_pass = dataset_fn.per_worker_dataset(
+                self.strategy, self.coordinator
+            )
+            loop = self._loop = self._pass_loop_function()
+        else:
+            iterator = self._per_worker_iterator(dataset_fn)
+            loop = self._loop = self._loop_function()
         sync = None
         if not self._shim:
             sync = callbacks_lib.find_sync_optimizer(self.optimizer)
@@ -250,7 +310,11 @@ class Trainer:
         for epoch in range(start_epoch, epochs):
             self.train_loop_begin()
             callback_list.on_epoch_begin(epoch)
-            logs = self._run_epoch(loop, iterator, loops_per_epoch, sync)
+            if service:
+                next_pass()
+                logs = self._run_pass(loop, iter(per_worker), sync)
+            else:
+                logs = self._run_epoch(loop, iterator, loops_per_epoch, sync)
             logs = self.train_loop_end(logs)
             callback_list.on_epoch_end(epoch, logs)
             self._end_epoch(epoch, epochs, logs)
@@ -261,8 +325,29 @@ class Trainer:
             self.optimizer.make_session_run_hook(is_chief=True).end()
         return history
 
-    def _check_steps_per_epoch(self, steps_per_epoch):
-        """Raises `ValueError` unless a multiple of `steps_per_loop`."""
+    def _check_steps_per_epoch(self, steps_per_epoch, service=False):
+        """Raises `ValueError` unless a multiple of `steps_per_loop` (None
+        with a `ServicePassPerEpoch`, which the shim cannot read)."""
+        if service:
+            if self._shim:
+                raise ValueError(
+                    "A `tf2sync.ServicePassPerEpoch` needs a "
+                    "`tf2sync.SyncOptimizer` (an epoch ending with its data "
+                    "applies its last, incomplete step); received the TF1 "
+                    "shim: optimizer=SyncReplicasOptimizer"
+                )
+            if steps_per_epoch is not None:
+                raise ValueError(
+                    "With a `tf2sync.ServicePassPerEpoch` an epoch is one pass "
+                    "of its data: leave `steps_per_epoch` None. Received: "
+                    f"steps_per_epoch={steps_per_epoch!r}"
+                )
+            return
+        if not isinstance(steps_per_epoch, int) or steps_per_epoch <= 0:
+            raise ValueError(
+                "`steps_per_epoch` must be a positive int. Received: "
+                f"steps_per_epoch={steps_per_epoch!r}"
+            )
         if steps_per_epoch % self.steps_per_loop:
             raise ValueError(
                 "`steps_per_epoch` must be a multiple of `steps_per_loop` "
@@ -317,6 +402,47 @@ class Trainer:
         steps_done = totals["sync_steps"] - before
         logs = {"loss": sum(losses) / len(losses), **totals}
         logs["sync_steps_per_s"] = steps_done / max(seconds, 1e-9)
+        return logs
+
+    def _run_pass(self, loop, iterator, sync):
+        """Runs one `ServicePassPerEpoch` epoch (`data_service`, 4.-5.).
+
+        Keeps two functions per worker scheduled until every worker has
+        returned one whose pass ended (or, should a worker never come back,
+        until `4 x workers` functions in a row ran no step once one had
+        ended: fetched in order, a function still running on a live
+        worker holds that count back). Then joins and applies the last
+        step's pushes (`Aggregator.flush`).
+        """
+        began = time.perf_counter()
+        before = self._sync_totals(sync)["sync_steps"]
+        self.coordinator.lift_plan()  # re-runs read new elements anyway
+        workers = len(tf_internals.coordinator_workers(self.coordinator))
+        pending = collections.deque(
+            self.coordinator.schedule(loop, args=(iterator,))
+            for _ in range(2 * workers)
+        )
+        ended, idle, total, ran = set(), 0, 0.0, 0
+        while pending:
+            loss, steps, worker, done = pending.popleft().fetch()
+            total, ran = total + float(loss), ran + int(steps)
+            if done:
+                ended.add(int(worker))
+            idle = 0 if steps else idle + 1
+            if len(ended) < workers and not (ended and idle >= 4 * workers):
+                pending.append(
+                    self.coordinator.schedule(loop, args=(iterator,))
+                )
+        self.coordinator.join()
+        aggregator = coordinator_lib.core_aggregator(self.strategy)
+        if aggregator is not None:
+            aggregator.flush()
+        seconds = time.perf_counter() - began
+        totals = self._sync_totals(sync)
+        steps_done = totals["sync_steps"] - before
+        logs = {"loss": total / max(ran, 1), **totals}
+        logs["sync_steps_per_s"] = steps_done / max(seconds, 1e-9)
+        logs["pass_steps"] = ran
         return logs
 
     def _fetch_losses(self, results):
