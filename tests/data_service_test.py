@@ -78,48 +78,28 @@ def _model(n):
     return tf.keras.Model(ids, out)
 
 
+def _recording_flushes(aggregator, model):
+    """Wraps the aggregator's flush: `(pushes, weights before, after,
+    applied)` per call."""
+    flushes = []
+    flush = aggregator.flush
+
+    def recorded_flush():
+        pushes = int(aggregator.count.numpy())
+        before = _rows(model)
+        applied = flush()
+        flushes.append((pushes, before, _rows(model), applied))
+        return applied
+
+    aggregator.flush = recorded_flush
+    return flushes
+
+
 class ServicePassTest(parameterized.TestCase):
-    @parameterized.parameters(
-        # (examples, batch size, steps per loop, workers, ps)
-        (48, 4, 3, 2, 1),
-        (61, 5, 4, 2, 1),  # a partial batch on each tf.data worker
-        (70, 3, 1, 2, 2),  # a tf.while_loop of single steps
-        (64, 4, 2, 3, 2),
-    )
-    def test_each_example_once_per_epoch(self, n, batch, per_loop, w, ps):
-        strategy = testutil.strategy(
-            w, ps, replicas_to_aggregate=w, total_num_replicas=w
-        )
-        with strategy.scope():
-            model = _model(n)
-            optimizer = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(float(w)))
-        trainer = tf2sync.Trainer(
-            strategy=strategy,
-            model=model,
-            optimizer=optimizer,
-            loss_fn=lambda y, pred: tf.reduce_sum(pred),
-            steps_per_loop=per_loop,
-            verbose=0,
-        )
-        aggregator = coordinator_lib.core_aggregator(strategy)
-        flushes = []
-        flush = aggregator.flush
-
-        def recorded_flush():
-            pushes = int(aggregator.count.numpy())
-            before = _rows(model)
-            applied = flush()
-            flushes.append((pushes, before, _rows(model), applied))
-            return applied
-
-        aggregator.flush = recorded_flush
-        previous = _rows(model)
-        epochs = 3
-        history = trainer.train(
-            tf2sync.ServicePassPerEpoch(_ids(n, batch), _service()),
-            epochs=epochs,
-        )
+    def _check_epochs(self, flushes, initial, n, w, epochs):
+        """Every id once and `n` examples on `w` in each epoch's updates."""
         self.assertLen(flushes, epochs)
+        previous = initial
         for epoch, (pushes, before, after, applied) in enumerate(flushes):
             counts = previous - before  # full updates: -1 an appearance
             if pushes:
@@ -132,12 +112,82 @@ class ServicePassTest(parameterized.TestCase):
                 err_msg=f"epoch {epoch}",
             )
             previous = after
+
+    def _build(self, n, w, ps):
+        strategy = testutil.strategy(
+            w, ps, replicas_to_aggregate=w, total_num_replicas=w
+        )
+        with strategy.scope():
+            model = _model(n)
+            optimizer = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(float(w)))
+        aggregator = coordinator_lib.core_aggregator(strategy)
+        return strategy, model, optimizer, aggregator
+
+    @parameterized.parameters(
+        # (examples, batch size, steps per loop, workers, ps)
+        (48, 4, 3, 2, 1),
+        (61, 5, 4, 2, 1),  # a partial batch on each tf.data worker
+        (70, 3, 1, 2, 2),  # a tf.while_loop of single steps
+        (64, 4, 2, 3, 2),
+    )
+    def test_trainer_each_example_once_per_epoch(
+        self, n, batch, per_loop, w, ps
+    ):
+        strategy, model, optimizer, aggregator = self._build(n, w, ps)
+        trainer = tf2sync.Trainer(
+            strategy=strategy,
+            model=model,
+            optimizer=optimizer,
+            loss_fn=lambda y, pred: tf.reduce_sum(pred),
+            steps_per_loop=per_loop,
+            verbose=0,
+        )
+        flushes = _recording_flushes(aggregator, model)
+        initial = _rows(model)
+        history = trainer.train(
+            tf2sync.ServicePassPerEpoch(_ids(n, batch), _service()),
+            epochs=3,
+        )
+        self._check_epochs(flushes, initial, n, w, 3)
         logs = history.history
         self.assertEqual(logs["stale_dropped"][-1], 0)
         # Dynamic: every worker took part (none sat out a whole run).
         for i in range(w):
             self.assertGreater(logs[f"accepted_w{i}"][-1], 0, logs)
         print("steps per pass:", logs["pass_steps"], [f[0] for f in flushes])
+
+    @parameterized.parameters(
+        # (examples, batch size, steps_per_epoch, steps per function,
+        # workers, ps)
+        (48, 4, 4, 2, 2, 1),  # fit schedules a third: the rest in rounds
+        (61, 5, 20, 4, 2, 1),  # more steps than the pass: some run nothing
+        (64, 4, 9, 3, 3, 2),
+    )
+    def test_fit_each_example_once_per_epoch(
+        self, n, batch, steps, per_function, w, ps
+    ):
+        strategy, model, optimizer, aggregator = self._build(n, w, ps)
+        with strategy.scope():
+            model.compile(
+                optimizer=optimizer,
+                loss=lambda y, pred: tf.reduce_sum(pred),
+                steps_per_execution=per_function,
+            )
+        flushes = _recording_flushes(aggregator, model)
+        initial = _rows(model)
+        history = model.fit(
+            tf2sync.ServicePassPerEpoch(_ids(n, batch), _service()),
+            epochs=3,
+            steps_per_epoch=steps,
+            verbose=0,
+            callbacks=[tf2sync.SyncMetrics()],
+        )
+        self._check_epochs(flushes, initial, n, w, 3)
+        logs = history.history
+        self.assertEqual(logs["stale_dropped"][-1], 0)
+        self.assertTrue(np.all(np.isfinite(logs["loss"])), logs)
+        for i in range(w):
+            self.assertGreater(logs[f"accepted_w{i}"][-1], 0, logs)
 
 
 class BadInputTest(parameterized.TestCase):

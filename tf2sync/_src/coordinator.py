@@ -12,6 +12,7 @@ import weakref
 
 import tensorflow as tf
 
+from tf2sync._src import data_service
 from tf2sync._src import step_context
 from tf2sync._src import tf_internals
 from tf2sync._src import unrolled_fit
@@ -70,6 +71,8 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         one replica per worker: PSS neither shards nor rebatches it).
         Workers with GPUs keep the prefetch.
         """
+        if data_service.is_pass_dataset_fn(dataset_fn):
+            return super().create_per_worker_dataset(dataset_fn)
         if tf_internals.num_gpus_per_worker(self.strategy) == 0:
             dataset_fn = _single_pipeline(dataset_fn)
         # The data handler of a `fit` or `evaluate` building its input
@@ -88,6 +91,19 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             unrolled_fit.steps_per_execution_on_coordinator(model, handler)
             # fit makes its train function next: repeat its steps.
             unrolled_fit.repeat_by_default(model)
+        creator = tf_internals.data_handler_dataset_creator(handler)
+        if isinstance(
+            creator, data_service.ServicePassPerEpoch
+        ) and not data_service.is_pass_dataset_fn(dataset_fn):
+            if model is None or core_aggregator(self.strategy) is None:
+                raise ValueError(
+                    "A tf2sync.ServicePassPerEpoch is read by model.fit or "
+                    "tf2sync.Trainer with a tf2sync.SyncOptimizer; received "
+                    f"it from {type(handler).__name__}"
+                )
+            return data_service.for_fit(
+                creator, handler, model, self, core_aggregator(self.strategy)
+            )
         if (
             not callable(dataset_fn)
             or isinstance(dataset_fn, tf.types.experimental.ConcreteFunction)

@@ -5,7 +5,8 @@ hands each element of a pass to whichever consumer asks for it next, so
 faster workers read more. An epoch of a fixed number of steps cannot match
 such a pass (consumers fetch ahead; batches made on several tf.data workers
 end each one's share with a partial batch), so here the epoch ends with the
-data. The protocol, for `tf2sync.Trainer` with a `ServicePassPerEpoch`:
+data. The protocol, for `model.fit` and `tf2sync.Trainer` reading a
+`ServicePassPerEpoch`:
 
 1. The chief registers the dataset with the dispatcher once.
 2. At each epoch the chief adds 1 to a variable on a ps, the epoch number,
@@ -14,11 +15,13 @@ data. The protocol, for `tf2sync.Trainer` with a `ServicePassPerEpoch`:
    a new pass whose every element goes to exactly one worker.
 3. Each step of a scheduled function first asks its iterator for an
    element (`get_next_as_optional`). A step whose worker's pass has ended
-   runs nothing: no token, no push. A function returns the steps it ran
-   and its worker's index.
-4. The chief keeps functions scheduled until every worker has returned one
-   in which its pass had ended (its iterator gave everything it fetched to
-   steps that pushed it), then joins.
+   runs nothing (no token, no push) but marks the worker's pass ended
+   (`Trainer`'s functions return it, with the steps they ran; `fit`'s set
+   the worker's entry of a variable on a ps).
+4. The chief keeps functions scheduled until every worker's pass has
+   ended (its iterator gave everything it fetched to steps that pushed
+   it), then joins. `fit` first schedules its `steps_per_epoch`, then
+   rounds of two functions per worker until then.
 5. The pushes of the last step, fewer than `replicas_to_aggregate`, are
    applied as their mean (`Aggregator.flush`), so no gradient of the pass
    is left for the next epoch.
@@ -35,14 +38,16 @@ pushed; its rebuilt iterator joins the same job and reads on.
 from __future__ import annotations
 
 import uuid
+import weakref
 
 import tensorflow as tf
 
+from tf2sync._src import step_context
 from tf2sync._src import tf_internals
 
 
-class ServicePassPerEpoch:
-    """Input for `tf2sync.Trainer.train`: each epoch one tf.data service pass.
+class ServicePassPerEpoch(tf.keras.utils.experimental.DatasetCreator):
+    """Input for `fit` and `Trainer.train`: each epoch one tf.data service pass.
 
     The workers share one pass of `dataset` per epoch through a tf.data
     service dispatcher (`tf.data.experimental.service.DispatchServer`,
@@ -55,8 +60,14 @@ class ServicePassPerEpoch:
     `replicas_to_aggregate`).
 
     `dataset` must be finite (one pass), batched, and made of dense
-    tensors of a known rank; it runs on the tf.data workers, which must
-    read its sources.
+    tensors; it runs on the tf.data workers, which must read its sources.
+
+    In `model.fit` it is a `DatasetCreator`: `steps_per_epoch` is then the
+    steps `fit` schedules before it waits for the pass to end (rounds of
+    two functions per worker follow until it has); about the pass's
+    batches, or a few more, is fastest (steps past the end run nothing).
+    In `Trainer.train`, leave `steps_per_epoch` None. It needs
+    `tf2sync.SyncParameterServerStrategy` and a `tf2sync.SyncOptimizer`.
     """
 
     def __init__(self, dataset: tf.data.Dataset, service: str):
@@ -87,10 +98,12 @@ class ServicePassPerEpoch:
                 "`dataset` must be finite: an epoch is one pass of it (drop "
                 "its `repeat()`). Received: an infinite dataset"
             )
+        super().__init__(_needs_tf2sync)
         self.dataset = dataset
         self.service = service
         self._run = f"tf2sync_{uuid.uuid4().hex[:12]}"
         self._bound = None
+        self._ended = None
 
     def per_worker_dataset(self, strategy, coordinator):
         """Registers the dataset; returns `(per-worker dataset, next_epoch)`.
@@ -100,6 +113,7 @@ class ServicePassPerEpoch:
         """
         if self._bound is not None:
             return self._bound
+        workers = len(tf_internals.coordinator_workers(coordinator))
         dataset_id = tf.data.experimental.service.register_dataset(
             self.service, self.dataset
         )
@@ -107,6 +121,11 @@ class ServicePassPerEpoch:
         with strategy.scope():
             epoch = tf.Variable(
                 0, dtype=tf.int64, trainable=False, name="tf2sync_pass"
+            )
+            self._ended = tf.Variable(
+                tf.zeros([workers], tf.int64),
+                trainable=False,
+                name="tf2sync_pass_ended",
             )
         service, run = self.service, self._run
 
@@ -118,9 +137,130 @@ class ServicePassPerEpoch:
                 service, dataset_id, spec, job
             )
 
+        dataset_fn.tf2sync_pass = True  # see `is_pass_dataset_fn`
+
         def next_epoch():
+            self._ended.assign(tf.zeros_like(self._ended))
             epoch.assign_add(1)
 
         per_worker = coordinator.create_per_worker_dataset(dataset_fn)
         self._bound = (per_worker, next_epoch)
         return self._bound
+
+    def mark_ended(self):
+        """Traced in a step whose worker's pass ended: marks it (step 3)."""
+        worker = step_context.current_worker()
+        if worker is None or self._ended is None:
+            return tf.no_op()
+        return self._ended.scatter_nd_update(
+            tf.reshape(tf.cast(worker, tf.int64), [1, 1]),
+            tf.ones([1], tf.int64),
+        )
+
+    def all_ended(self) -> bool:
+        """Whether every worker's pass has ended (eager, after a join)."""
+        return bool(tf.reduce_all(self._ended.read_value() > 0))
+
+
+def _needs_tf2sync(input_context):
+    del input_context
+    raise ValueError(
+        "tf2sync.ServicePassPerEpoch needs tf2sync.SyncParameterServerStrategy "
+        "(its coordinator reads the pass); received another strategy"
+    )
+
+
+# model.fit ------------------------------------------------------------------
+
+_PASSES = weakref.WeakKeyDictionary()  # fit data handler -> its input
+
+
+def is_pass_dataset_fn(dataset_fn) -> bool:
+    """Whether `dataset_fn` is a `ServicePassPerEpoch`'s own (the
+    coordinator then builds it as it is, on every worker)."""
+    return getattr(dataset_fn, "tf2sync_pass", False) is True
+
+
+def pass_of(handler):
+    """The `ServicePassPerEpoch` a `fit` data handler reads, or None."""
+    if handler is None:
+        return None
+    try:
+        return _PASSES.get(handler)
+    except TypeError:
+        return None
+
+
+def for_fit(creator, handler, model, coordinator, aggregator):
+    """The per-worker dataset of `fit`'s `handler`, which now ends each
+    epoch with the pass (steps 2, 4 and 5 of the protocol); `aggregator`
+    is the core's (None: nothing to flush)."""
+    per_worker, next_pass = creator.per_worker_dataset(
+        coordinator.strategy, coordinator
+    )
+    iterators = _EpochIterators(per_worker, next_pass)
+    _PASSES[handler] = creator
+    tf_internals.new_iterator_each_epoch(handler)
+    join = handler.sync
+    workers = len(tf_internals.coordinator_workers(coordinator))
+
+    def sync():  # the end of an epoch's steps (`catch_stop_iteration`)
+        join()
+        idle = 0
+        while not creator.all_ended() and idle < 2:
+            before = (
+                None if aggregator is None else int(aggregator.accepted.numpy())
+            )
+            for _ in range(2 * workers):
+                model.train_function(iterators.last)
+            join()
+            # A worker that never comes back: stop once a round pushes
+            # nothing while some pass has ended (a live worker's pending
+            # function would have pushed, or marked its pass).
+            pushed = (
+                aggregator is None or int(aggregator.accepted.numpy()) != before
+            )
+            ended = bool(tf.reduce_any(creator._ended.read_value() > 0))
+            idle = 0 if pushed or not ended else idle + 1
+        if aggregator is not None:
+            aggregator.flush()
+
+    handler.sync = sync
+    return iterators
+
+
+class _EpochIterators:
+    """What `fit`'s data handler iterates: a new pass at each `iter`.
+
+    `enumerate_epochs` calls `iter` once before its first epoch and again
+    at each epoch (`new_iterator_each_epoch`): the first call makes no
+    iterator (it would start a job nobody reads).
+    """
+
+    def __init__(self, per_worker, next_pass):
+        self._per_worker = per_worker
+        self._next_pass = next_pass
+        self._calls = 0
+        self.last = None
+
+    def __iter__(self):
+        self._calls += 1
+        if self._calls == 1:
+            return _Unused()
+        self._next_pass()
+        self.last = iter(self._per_worker)
+        return self.last
+
+    @property
+    def element_spec(self):
+        return self._per_worker.element_spec
+
+
+class _Unused:
+    """The iterator `enumerate_epochs` makes first and replaces unread."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        raise RuntimeError("tf2sync: a ServicePassPerEpoch epoch not begun")

@@ -6,6 +6,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf2sync._src import callbacks
+from tf2sync._src import data_service
 from tf2sync._src import loops
 from tf2sync._src import options as options_lib
 from tf2sync._src import tf_internals
@@ -142,10 +143,12 @@ def _scheduler(model, coordinator, sync):
         handler = tf_internals.running_fit_data_handler(model)
         # One function per value, as fit's data handler counts them.
         steps = _steps_of_call(model, handler)
-        function = functions.get(steps)
+        service = data_service.pass_of(handler)
+        key = steps if service is None else (steps, "pass")
+        function = functions.get(key)
         if function is None:
-            function = tf.function(_unrolled(model, steps))
-            functions[steps] = function
+            function = tf.function(_unrolled(model, steps, service))
+            functions[key] = function
             model.train_tf_function = function  # TensorBoard's graph
         _plan(coordinator, function, handler)
         logs = coordinator.schedule(function, args=(iterator,))
@@ -204,8 +207,14 @@ def steps_per_execution_on_coordinator(model, handler) -> None:
         tf_internals.set_data_handler_steps_per_execution(handler, here)
 
 
-def _unrolled(model, steps):
-    """tf_keras's multi-step train function, its loop unrolled."""
+def _unrolled(model, steps, service=None):
+    """tf_keras's multi-step train function, its loop unrolled.
+
+    With `service` (a `ServicePassPerEpoch`), a step runs only if its
+    worker's iterator gives an element, and otherwise marks its pass ended
+    and returns zeros of the step's outputs (`data_service`, 3.; `fit`
+    takes an epoch's logs from the metrics after the join).
+    """
 
     def run_step(data):
         return model.train_step(data)
@@ -219,14 +228,29 @@ def _unrolled(model, steps):
     # when they are fetched (`_WithSyncTotals`), not from the pushes.
 
     def train_function(iterator):
-        def step(_):
-            data = next(iterator)
+        def run(data):
             outputs = model.distribute_strategy.run(run_step, args=(data,))
             return tf_internals.reduce_per_replica(
                 outputs,
                 model.distribute_strategy,
                 model.distribute_reduction_method,
             )
+
+        def step(_):
+            if service is None:
+                return run(next(iterator))
+            element = iterator.get_next_as_optional()
+            traced = []
+
+            def run_element():
+                traced.append(run(element.get_value()))
+                return traced[0]
+
+            def skip():  # traced after run_element: its outputs' structure
+                with tf.control_dependencies([service.mark_ended()]):
+                    return tf.nest.map_structure(_zeros_like_spec, traced[0])
+
+            return tf.cond(element.has_value(), run_element, skip)
 
         options = options_lib.of_strategy(model.distribute_strategy)
         outputs = loops.repeat(step, steps, options.max_unrolled_steps)
@@ -240,6 +264,13 @@ def _unrolled(model, steps):
         return outputs
 
     return train_function
+
+
+def _zeros_like_spec(tensor):
+    """Zeros of `tensor`'s static shape (an unknown dimension as 0)."""
+    shape = tensor.shape
+    dims = [] if shape.rank is None else [d or 0 for d in shape.as_list()]
+    return tf.identity(tf.zeros(dims, tensor.dtype))
 
 
 def _warm_epoch_end(model):
@@ -264,6 +295,11 @@ def _plan(coordinator, function, handler):
     epoch has no known length, or that resumes inside an epoch, lifts the
     cap instead (nothing to plan from)."""
     if not hasattr(coordinator, "plan_epoch"):
+        return
+    if data_service.pass_of(handler) is not None:
+        # Epochs of a data service pass have no known length, and a
+        # re-run function reads new elements.
+        coordinator.lift_plan()
         return
     position = tf_internals.fit_epoch_position(handler)
     if handler is not None and position is not None and position[1]:
