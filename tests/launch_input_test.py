@@ -191,6 +191,47 @@ class BadInputTest(parameterized.TestCase):
     def test_bad_timeout(self, arg, bound):
         self._check_refused([arg], f"{arg}: must be {bound}.")
 
+    def test_service_sharding_with_the_tf1_shim(self):
+        self._check_refused(
+            ["--input_sharding=service", "--sync_optimizer=tf1_shim"],
+            "--input_sharding=service needs --sync_optimizer=tf2sync (an "
+            "epoch that ends with its data applies its last, incomplete "
+            "step; the TF1 shim has no such step). Received: "
+            "--sync_optimizer=tf1_shim",
+        )
+
+    def test_service_sharding_port_out_of_range(self):
+        self._check_refused(
+            ["--input_sharding=service", "--data_service_port=70000"],
+            "--data_service_port=70000: a port is 1-65535.",
+        )
+
+    def test_service_sharding_needs_a_port_in_a_cluster(self):
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        self._check_refused(
+            [
+                "--input_sharding=service",
+                "--job_name=chief",
+                "--ps_hosts=" + ",".join(spec["ps"]),
+                "--worker_hosts=" + ",".join(spec["worker"]),
+                "--chief_host=" + spec["chief"][0],
+            ],
+            "--input_sharding=service needs --data_service_port outside the "
+            "local mode (the dispatcher's port on the chief's host, the same "
+            "for every task).",
+        )
+
+    def test_service_sharding_needs_a_job_with_train_pass(self):
+        self._check_refused(
+            [
+                "--input_sharding=service",
+                "--job_module=tf2sync._src.jobs.clicks",
+            ],
+            "--input_sharding=service: --job_module=tf2sync._src.jobs.clicks "
+            "lacks train_pass(batch_size) (the finite, batched dataset of one "
+            "pass; see tf2sync/_src/jobs/digits.py).",
+        )
+
     def test_checkpoint_dir_is_a_file(self):
         self._check_refused(
             [f"--checkpoint_dir={self.file}"],

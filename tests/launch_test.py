@@ -50,6 +50,27 @@ class LaunchTest(parameterized.TestCase):
         for pid in pids:
             self.assertFalse(_alive(pid), f"task {pid} left behind")
 
+    def test_service_input_sharding_local_mode(self):
+        # tf.data service: a dispatcher in the launcher, a tf.data worker in
+        # each worker task; each epoch one pass of the 1500 digits in
+        # batches of 32 (47 or 48 batches, as the splits fall) shared by
+        # whichever worker asks: 24 updates of 2 an epoch.
+        out = _launch(["--input_sharding=service", "--epochs=2"])
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        match = _RESULT.search(out.stdout)
+        self.assertIsNotNone(match, out.stdout + out.stderr[-3000:])
+        accuracy, applied, stale = match.groups()
+        self.assertGreater(float(accuracy), 0.3)
+        self.assertEqual(int(applied), 2 * 24)
+        self.assertEqual(int(stale), 0)
+        pushes = json.loads(
+            re.search(r"accepted_per_worker=(\[.*?\])", out.stdout).group(1)
+        )
+        self.assertBetween(sum(pushes), 2 * 47, 2 * 48)
+        pids = json.loads(re.search(r"pids=(\[.*\])", out.stdout).group(1))
+        for pid in pids:
+            self.assertFalse(_alive(pid), f"task {pid} left behind")
+
     def test_tf1_style_flags(self):
         spec = tf2sync.testing.cluster_spec_dict(2, 1)
         tasks = _Tasks(spec)

@@ -41,6 +41,9 @@ class ChiefConfig:
     ps_restart_timeout: float = 300.0
     min_shard_bytes: int | None = None
     max_shards: int | None = None
+    # The tf.data service dispatcher (grpc://host:port) whose passes `fit`
+    # reads (`tf2sync.ServicePassPerEpoch`); None: static sharding.
+    data_service: str | None = None
 
 
 # MinSizePartitioner's own default shard size, used with max_shards alone.
@@ -406,6 +409,10 @@ def _fit(model, job, config: ChiefConfig, steps: int, shim: bool) -> float:
         else tf2sync.OnePassPerEpoch
     )
     data = creator(lambda ctx: job.train_dataset(ctx, batch))
+    if config.data_service:  # an epoch ends with its pass (docs/data.md)
+        data = tf2sync.ServicePassPerEpoch(
+            job.train_pass(batch), config.data_service
+        )
     callbacks, initial_epoch = _callbacks(model, config, shim)
     if hasattr(job, "callbacks"):  # the job's own (benchmarks/chaos.py)
         callbacks += job.callbacks()

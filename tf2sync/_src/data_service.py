@@ -264,3 +264,44 @@ class _Unused:
 
     def __next__(self):
         raise RuntimeError("tf2sync: a ServicePassPerEpoch epoch not begun")
+
+
+# Servers (the launcher's --input_sharding=service) --------------------------
+
+
+def start_dispatcher(port: int):
+    """Starts a tf.data service dispatcher on `port` of this process.
+
+    Keep the returned server referenced while it serves. It listens on all
+    interfaces, as TensorFlow's other gRPC servers (README, "Security").
+    """
+    return tf.data.experimental.service.DispatchServer(
+        tf.data.experimental.service.DispatcherConfig(port=port)
+    )
+
+
+def start_worker(dispatcher_address: str, worker_address: str):
+    """Starts a tf.data worker at `worker_address` ("host:port", how the
+    dispatcher and the training workers reach it), registered with the
+    dispatcher at `dispatcher_address` ("host:port"). It waits for the
+    dispatcher (retrying) before it returns."""
+    port = int(worker_address.rsplit(":", 1)[1])
+    return tf.data.experimental.service.WorkerServer(
+        tf.data.experimental.service.WorkerConfig(
+            dispatcher_address=dispatcher_address,
+            worker_address=worker_address,
+            port=port,
+        )
+    )
+
+
+def addresses(spec: dict, task_index: int, port: int, worker_port=None):
+    """`(dispatcher "host:port", this worker's tf.data worker "host:port")`
+    for cluster `spec`: the dispatcher on the chief's host at `port`, the
+    tf.data worker on worker `task_index`'s host at `worker_port`
+    (default `port + 1 + task_index`)."""
+    chief_host = spec["chief"][0].rsplit(":", 1)[0]
+    worker_host = spec["worker"][task_index].rsplit(":", 1)[0]
+    if worker_port is None:
+        worker_port = port + 1 + task_index
+    return f"{chief_host}:{port}", f"{worker_host}:{worker_port}"

@@ -226,6 +226,31 @@ _VERBOSE_SYNC_METRICS = flags.DEFINE_boolean(
     "barrier_wait_s_epoch, ...), not only sync_steps, stale_dropped and "
     "examples_per_s. They are in the logs (History, TensorBoard) either way.",
 )
+_INPUT_SHARDING = flags.DEFINE_enum(
+    "input_sharding",
+    "static",
+    ["static", "service"],
+    "How the workers share the training data. static: each worker reads its "
+    "own shard (by worker index), an epoch is one pass when the workers keep "
+    "pace. service: tf.data service's dynamic sharding: a dispatcher on the "
+    "chief, a tf.data worker beside each worker, each element of a pass to "
+    "whichever worker asks first, and an epoch that ends with the pass (the "
+    "job needs train_pass(); docs/data.md).",
+)
+_DATA_SERVICE_PORT = flags.DEFINE_integer(
+    "data_service_port",
+    None,
+    "With --input_sharding=service: the dispatcher's port on the chief's "
+    "host; worker i's tf.data worker listens on this port + 1 + i on its "
+    "host. Default: free ports in the local mode; required otherwise (the "
+    "same value for every task).",
+)
+_DATA_SERVICE_WORKER_PORT = flags.DEFINE_integer(
+    "data_service_worker_port",
+    None,
+    "A worker's tf.data worker port (default: --data_service_port + 1 + "
+    "--task_index; the local mode sets it).",
+)
 _TASK_LOG_DIR = flags.DEFINE_string(
     "task_log_dir",
     None,
@@ -364,6 +389,7 @@ def _check_input():
     flag_checks.check_positive(
         {h.name: h.value for h in (_CONNECT_TIMEOUT, _EVAL_TIMEOUT)}
     )
+    _check_input_sharding()
     role = _JOB_NAME.value
     source = _cluster_source()
     if source == "tf_config":
@@ -386,6 +412,15 @@ def _check_input():
         evaluator=evaluator,
         steps_per_epoch=_STEPS_PER_EPOCH.value,
     )
+    if _INPUT_SHARDING.value == "service" and not callable(
+        getattr(job, "train_pass", None)
+    ):
+        raise app.UsageError(
+            f"--input_sharding=service: --job_module={_JOB_MODULE.value} "
+            "lacks train_pass(batch_size) (the finite, batched dataset of one "
+            "pass; see tf2sync/_src/jobs/digits.py).",
+            exitcode=2,
+        )
     if not directory:
         return
     from tf2sync._src import checkpointing
@@ -399,6 +434,32 @@ def _check_input():
     if not evaluator:
         latest, done = checkpointing.latest_epoch(directory)
         flag_checks.check_epochs_left(directory, latest, done, _EPOCHS.value)
+
+
+def _check_input_sharding():
+    """--input_sharding=service's flags: one line each, exit 2."""
+    if _INPUT_SHARDING.value != "service":
+        return
+    port = _DATA_SERVICE_PORT.value
+    if port is not None and not 0 < port < 65536:
+        raise app.UsageError(
+            f"--data_service_port={port}: a port is 1-65535.", exitcode=2
+        )
+    if port is None and _cluster_source() != "local":
+        raise app.UsageError(
+            "--input_sharding=service needs --data_service_port outside the "
+            "local mode (the dispatcher's port on the chief's host, the same "
+            "for every task).",
+            exitcode=2,
+        )
+    if _SYNC_OPTIMIZER.value == "tf1_shim":
+        raise app.UsageError(
+            "--input_sharding=service needs --sync_optimizer=tf2sync (an "
+            "epoch that ends with its data applies its last, incomplete "
+            "step; the TF1 shim has no such step). Received: "
+            "--sync_optimizer=tf1_shim",
+            exitcode=2,
+        )
 
 
 def _local_workers_and_ps():
@@ -496,7 +557,22 @@ def _serve(spec, job, index):
         start=True,
     )
     logging.info("Serving %s:%d at %s", job, index, server.target)
+    tf_data_worker = None  # referenced while the task serves
+    if job == "worker" and _INPUT_SHARDING.value == "service":
+        from tf2sync._src import data_service
+
+        dispatcher, address = data_service.addresses(
+            spec,
+            index,
+            _DATA_SERVICE_PORT.value,
+            _DATA_SERVICE_WORKER_PORT.value,
+        )
+        tf_data_worker = data_service.start_worker(dispatcher, address)
+        logging.info(
+            "tf.data worker at %s (dispatcher %s)", address, dispatcher
+        )
     processes.serve_forever(server)  # exits the process on a signal
+    del tf_data_worker
 
 
 def _place_devices(job):
@@ -544,11 +620,34 @@ def _chief_config():
     )
 
 
+def _dispatcher_target(spec) -> str | None:
+    """The tf.data service the chief's `fit` reads (`grpc://host:port`),
+    or None (static sharding)."""
+    if _INPUT_SHARDING.value != "service":
+        return None
+    host = spec["chief"][0].rsplit(":", 1)[0]
+    return f"grpc://{host}:{_DATA_SERVICE_PORT.value}"
+
+
 def train(resolver, job):
-    """Runs the training job as chief (see `chief.train`)."""
+    """Runs the training job as chief (see `chief.train`); with
+    --input_sharding=service, serves the tf.data dispatcher meanwhile."""
+    import dataclasses
+
     from tf2sync._src import chief
 
-    return chief.train(resolver, job, _chief_config())
+    config = _chief_config()
+    target = _dispatcher_target(resolver.cluster_spec().as_dict())
+    dispatcher = None  # referenced while the chief trains
+    if target is not None:
+        from tf2sync._src import data_service
+
+        dispatcher = data_service.start_dispatcher(_DATA_SERVICE_PORT.value)
+        config = dataclasses.replace(config, data_service=target)
+    try:
+        return chief.train(resolver, job, config)
+    finally:
+        del dispatcher
 
 
 def main(argv):
@@ -638,7 +737,13 @@ def _main():
     log_dir = console.launcher_log_dir() or console.task_log_dir(
         _TASK_LOG_DIR.value
     )
-    cluster = processes.LocalProcessCluster(workers, ps, log_dir=log_dir)
+    if _INPUT_SHARDING.value == "service" and _DATA_SERVICE_PORT.value is None:
+        from tf2sync._src import cluster as cluster_lib
+
+        flags.FLAGS.data_service_port = cluster_lib.pick_free_ports(1)[0]
+    cluster = processes.LocalProcessCluster(
+        workers, ps, log_dir=log_dir, worker_args=_service_worker_args(workers)
+    )
     try:  # a signal meanwhile stops the cluster: processes.exit_on_signals
         resolver = cluster.start(timeout=_CONNECT_TIMEOUT.value)
         print(
@@ -649,6 +754,24 @@ def _main():
     finally:
         cluster.stop()
     return 0
+
+
+def _service_worker_args(num_workers):
+    """Worker i's flags for --input_sharding=service in the local mode
+    (free ports for the tf.data workers), or None."""
+    if _INPUT_SHARDING.value != "service":
+        return None
+    from tf2sync._src import cluster as cluster_lib
+
+    ports = cluster_lib.pick_free_ports(num_workers)
+    return [
+        [
+            "--input_sharding=service",
+            f"--data_service_port={_DATA_SERVICE_PORT.value}",
+            f"--data_service_worker_port={port}",
+        ]
+        for port in ports
+    ]
 
 
 def _load_job():

@@ -76,12 +76,20 @@ class LocalProcessCluster:
     """
 
     def __init__(
-        self, num_workers: int, num_ps: int, *, log_dir=None, num_gpus=None
+        self,
+        num_workers: int,
+        num_ps: int,
+        *,
+        log_dir=None,
+        num_gpus=None,
+        worker_args=None,
     ):
+        """`worker_args`: None, or one list of extra flags per worker."""
         self.spec = cluster_lib.cluster_spec_dict(num_workers, num_ps)
         self.processes = []
         self._log_dir = log_dir
         self._num_gpus = num_gpus
+        self._worker_args = worker_args
 
     def start(self, timeout: float = 60.0):
         """Starts every task; returns the chief's cluster resolver."""
@@ -99,6 +107,8 @@ class LocalProcessCluster:
             for index in range(len(self.spec[job])):
                 task_env = dict(env)
                 task_args = []
+                if job == "worker" and self._worker_args:
+                    task_args.extend(self._worker_args[index])
                 if job == "ps":
                     task_env["CUDA_VISIBLE_DEVICES"] = ""
                 elif self._num_gpus is not None:

@@ -80,6 +80,14 @@ def train_dataset(input_context, batch_size: int) -> tf.data.Dataset:
     return ds.shuffle(shard).batch(batch_size).repeat()
 
 
+def train_pass(batch_size: int) -> tf.data.Dataset:
+    """One pass over the training examples, shuffled, for tf.data service
+    (`--input_sharding=service`: the tf.data workers run it)."""
+    x, y = _arrays()
+    ds = tf.data.Dataset.from_tensor_slices((x[:_NUM_TRAIN], y[:_NUM_TRAIN]))
+    return ds.shuffle(_NUM_TRAIN).batch(batch_size)
+
+
 def eval_arrays():
     x, y = _arrays()
     return x[_NUM_TRAIN:], y[_NUM_TRAIN:]
