@@ -191,6 +191,17 @@ class BadInputTest(parameterized.TestCase):
     def test_bad_timeout(self, arg, bound):
         self._check_refused([arg], f"{arg}: must be {bound}.")
 
+    def test_local_gpus_on_a_machine_without_one(self):
+        import tensorflow as tf
+
+        if tf.config.list_physical_devices("GPU"):
+            self.skipTest("this machine has a GPU")
+        self._check_refused(
+            ["--num_gpus=1"],
+            "--num_gpus=1: this machine shows TensorFlow no GPU "
+            "(--num_gpus=0 trains on CPU).",
+        )
+
     def test_service_sharding_with_the_tf1_shim(self):
         self._check_refused(
             ["--input_sharding=service", "--sync_optimizer=tf1_shim"],

@@ -366,6 +366,7 @@ def _check_input():
         flag_checks.check_checkpoint_dir(
             _TASK_LOG_DIR.value, writable=True, name="task_log_dir"
         )
+        _check_local_gpus()
     flag_checks.check_positive_ints(
         {
             h.name: h.value
@@ -434,6 +435,29 @@ def _check_input():
     if not evaluator:
         latest, done = checkpointing.latest_epoch(directory)
         flag_checks.check_epochs_left(directory, latest, done, _EPOCHS.value)
+
+
+def _check_local_gpus():
+    """--num_gpus=N > 0 in the local mode needs a GPU on this machine (the
+    workers share them when there are fewer than N per worker)."""
+    wanted = _NUM_GPUS.value
+    if not wanted:
+        return
+    from tf2sync._src import processes
+
+    available = processes.machine_gpus()
+    if available == 0:
+        raise app.UsageError(
+            f"--num_gpus={wanted}: this machine shows TensorFlow no GPU "
+            "(--num_gpus=0 trains on CPU).",
+            exitcode=2,
+        )
+    if wanted > available:
+        raise app.UsageError(
+            f"--num_gpus={wanted}: this machine shows TensorFlow "
+            f"{available} GPU(s); a worker takes at most that many.",
+            exitcode=2,
+        )
 
 
 def _check_input_sharding():
@@ -742,7 +766,11 @@ def _main():
 
         flags.FLAGS.data_service_port = cluster_lib.pick_free_ports(1)[0]
     cluster = processes.LocalProcessCluster(
-        workers, ps, log_dir=log_dir, worker_args=_service_worker_args(workers)
+        workers,
+        ps,
+        log_dir=log_dir,
+        num_gpus=_NUM_GPUS.value,
+        worker_args=_service_worker_args(workers),
     )
     try:  # a signal meanwhile stops the cluster: processes.exit_on_signals
         resolver = cluster.start(timeout=_CONNECT_TIMEOUT.value)

@@ -65,6 +65,35 @@ def wait_for_port(address: str, timeout: float) -> None:
             time.sleep(0.1)
 
 
+def gpu_plan(num_workers: int, per_worker: int, available: int):
+    """`(CUDA_VISIBLE_DEVICES per worker, shared)` for local workers.
+
+    Disjoint GPUs (`per_worker` each) when the machine has enough;
+    otherwise worker i takes GPUs `i * per_worker ...` modulo `available`,
+    so workers share them (`shared`: each process must then grow its
+    memory rather than take it all). With `per_worker` 0 or no GPU, every
+    worker sees none ("").
+    """
+    if per_worker <= 0 or available <= 0:
+        return [""] * num_workers, False
+    shared = num_workers * per_worker > available
+    per_worker = min(per_worker, available)
+    visible = [
+        ",".join(
+            str((index * per_worker + i) % available) for i in range(per_worker)
+        )
+        for index in range(num_workers)
+    ]
+    return visible, shared
+
+
+def machine_gpus() -> int:
+    """GPUs this machine shows TensorFlow (no device is initialised)."""
+    import tensorflow as tf
+
+    return len(tf.config.list_physical_devices("GPU"))
+
+
 class LocalProcessCluster:
     """ps and worker tasks as subprocesses on 127.0.0.1, with free ports.
 
@@ -112,11 +141,14 @@ class LocalProcessCluster:
                 if job == "ps":
                     task_env["CUDA_VISIBLE_DEVICES"] = ""
                 elif self._num_gpus is not None:
-                    # Disjoint GPUs per worker on this one machine.
-                    first = index * self._num_gpus
-                    task_env["CUDA_VISIBLE_DEVICES"] = ",".join(
-                        str(first + i) for i in range(self._num_gpus)
+                    visible, shared = gpu_plan(
+                        len(self.spec["worker"]),
+                        self._num_gpus,
+                        machine_gpus(),
                     )
+                    task_env["CUDA_VISIBLE_DEVICES"] = visible[index]
+                    if shared:  # several processes on one GPU: grow
+                        task_env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
                     task_args.append(f"--num_gpus={self._num_gpus}")
                 out = subprocess.DEVNULL
                 if self._log_dir:
