@@ -189,15 +189,55 @@ class ServicePassTest(parameterized.TestCase):
         for i in range(w):
             self.assertGreater(logs[f"accepted_w{i}"][-1], 0, logs)
 
+    def test_fit_again_with_a_new_pass_object(self):
+        # Each fit call's steps mark the passes of its own pass object (a
+        # second call once marked the first one's and never ended).
+        n, w = 40, 2
+        strategy, model, optimizer, aggregator = self._build(n, w, 1)
+        with strategy.scope():
+            model.compile(
+                optimizer=optimizer,
+                loss=lambda y, pred: tf.reduce_sum(pred),
+                steps_per_execution=2,
+            )
+        flushes = _recording_flushes(aggregator, model)
+        initial = _rows(model)
+        for _ in range(2):
+            model.fit(
+                tf2sync.ServicePassPerEpoch(_ids(n, 4), _service()),
+                epochs=1,
+                steps_per_epoch=4,
+                verbose=0,
+            )
+        self._check_epochs(flushes, initial, n, w, 2)
+
+    def test_only_fit_with_tf2sync_train_function_reads_a_pass(self):
+        strategy, model, optimizer, _ = self._build(8, 2, 1)
+        with strategy.scope():
+            model.compile(
+                optimizer=optimizer, loss=lambda y, pred: tf.reduce_sum(pred)
+            )
+        passes = tf2sync.ServicePassPerEpoch(_ids(8, 2), _service())
+        with self.assertRaisesRegex(ValueError, r"in model.evaluate\(\)"):
+            model.evaluate(passes, steps=2, verbose=0)
+        tf2sync.unroll_fit_steps(model, False)
+        with self.assertRaisesRegex(ValueError, "tf_keras's loop"):
+            model.fit(passes, epochs=1, steps_per_epoch=2, verbose=0)
+
 
 class BadInputTest(parameterized.TestCase):
     def test_dataset_must_be_a_dataset(self):
         with self.assertRaisesRegex(TypeError, "dataset=<function"):
             tf2sync.ServicePassPerEpoch(lambda ctx: None, "grpc://a:1")
 
-    @parameterized.parameters("", "  ", None, 5000)
+    @parameterized.parameters("", "  ")
     def test_service_must_be_an_address(self, service):
         with self.assertRaisesRegex(ValueError, "service="):
+            tf2sync.ServicePassPerEpoch(_ids(8, 2), service)
+
+    @parameterized.parameters(None, 5000)
+    def test_service_must_be_a_str(self, service):
+        with self.assertRaisesRegex(TypeError, f"service={service}"):
             tf2sync.ServicePassPerEpoch(_ids(8, 2), service)
 
     def test_dataset_must_be_finite(self):

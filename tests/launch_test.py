@@ -71,6 +71,79 @@ class LaunchTest(parameterized.TestCase):
         for pid in pids:
             self.assertFalse(_alive(pid), f"task {pid} left behind")
 
+    def test_service_input_sharding_tf1_style_flags(self):
+        # Every task gets --input_sharding=service and one port: the chief
+        # serves the dispatcher there, worker i its tf.data worker at
+        # port + 1 + i.
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        port = self._free_port_run(3)
+        service = ["--input_sharding=service", f"--data_service_port={port}"]
+        tasks = _Tasks(spec, args=service)
+        try:
+            out = _launch(
+                [
+                    "--job_name=chief",
+                    *procutil.host_flags(spec),
+                    "--epochs=1",
+                    *service,
+                ]
+            )
+        finally:
+            pids = tasks.stop()
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        match = _RESULT.search(out.stdout)
+        self.assertIsNotNone(match, out.stdout + out.stderr[-3000:])
+        self.assertEqual(int(match.group(2)), 24)  # one pass: 24 updates
+        self.assertFalse(any(_alive(p) for p in pids))
+
+    def test_service_input_sharding_without_tf_data_workers(self):
+        # Tasks started without --input_sharding=service: no tf.data worker
+        # registers, and the chief says so within --connect_timeout.
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        port = self._free_port_run(3)
+        tasks = _Tasks(spec)
+        try:
+            out = _launch(
+                [
+                    "--job_name=chief",
+                    *procutil.host_flags(spec),
+                    "--input_sharding=service",
+                    f"--data_service_port={port}",
+                    "--connect_timeout=3",
+                ]
+            )
+        finally:
+            tasks.stop()
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn(
+            "0 of 2 tf.data workers registered with the dispatcher within 3 s",
+            out.stderr,
+        )
+        self.assertIn(f"127.0.0.1:{port + 1}, 127.0.0.1:{port + 2}", out.stderr)
+
+    @staticmethod
+    def _free_port_run(count):
+        """The first of `count` consecutive free ports on 127.0.0.1."""
+        import socket
+
+        for _ in range(100):
+            first = tf2sync.testing.pick_free_ports(1)[0]
+            if first + count > 65535:
+                continue
+            sockets = []
+            try:
+                for p in range(first, first + count):
+                    s = socket.socket()
+                    s.bind(("127.0.0.1", p))
+                    sockets.append(s)
+            except OSError:
+                continue
+            finally:
+                for s in sockets:
+                    s.close()
+            return first
+        raise RuntimeError("no run of free ports")
+
     def test_tf1_style_flags(self):
         spec = tf2sync.testing.cluster_spec_dict(2, 1)
         tasks = _Tasks(spec)

@@ -122,9 +122,11 @@ def host_flags(spec):
 class Tasks:
     """ps/worker tasks started by a test, ended by PID in `stop`."""
 
-    def __init__(self, spec, env=None):
+    def __init__(self, spec, env=None, args=()):
+        """`args`: extra flags for every task."""
         self._spec = spec
         self._env = env
+        self._args = list(args)
         self.processes = {}
         self.ended = []
         for job in ("ps", "worker"):
@@ -142,7 +144,7 @@ class Tasks:
             task_env["TF_CONFIG"] = json.dumps(config)
             args = []
         self.processes[(job, index)] = subprocess.Popen(
-            [sys.executable, "-m", "tf2sync", *args],
+            [sys.executable, "-m", "tf2sync", *args, *self._args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             **processes.child_kwargs(task_env),

@@ -95,12 +95,7 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         if isinstance(
             creator, data_service.ServicePassPerEpoch
         ) and not data_service.is_pass_dataset_fn(dataset_fn):
-            if model is None or core_aggregator(self.strategy) is None:
-                raise ValueError(
-                    "A tf2sync.ServicePassPerEpoch is read by model.fit or "
-                    "tf2sync.Trainer with a tf2sync.SyncOptimizer; received "
-                    f"it from {type(handler).__name__}"
-                )
+            _check_pass_reader(model, self.strategy)
             return data_service.for_fit(
                 creator, handler, model, self, core_aggregator(self.strategy)
             )
@@ -216,6 +211,31 @@ def core_aggregator(strategy):
     if protocol is None or protocol.traces_before_dispatch:
         return None
     return protocol.aggregator
+
+
+def _check_pass_reader(model, strategy) -> None:
+    """Refuses a `ServicePassPerEpoch` outside `fit` with tf2sync's own
+    repeating train function and a `tf2sync.SyncOptimizer` (one line)."""
+    entry = tf_internals.keras_entry_point(model)
+    if entry != "fit":
+        raise ValueError(
+            "A tf2sync.ServicePassPerEpoch is read only by model.fit and "
+            f"tf2sync.Trainer; received it in model.{entry or '?'}() (give "
+            "evaluate and validation_data a dataset of their own)"
+        )
+    if core_aggregator(strategy) is None:
+        raise ValueError(
+            "A tf2sync.ServicePassPerEpoch needs a tf2sync.SyncOptimizer (its "
+            "epoch ends with a flush of the last step); received "
+            f"optimizer={type(model.optimizer).__name__}"
+        )
+    if not unrolled_fit.is_unrolled(model):
+        raise ValueError(
+            "A tf2sync.ServicePassPerEpoch needs tf2sync's train function "
+            "(its steps stop at the end of the pass); received a model with "
+            "tf_keras's loop (tf2sync.unroll_fit_steps(model, False), or a "
+            "make_train_function of its own)"
+        )
 
 
 def _worker_failed(index, error):

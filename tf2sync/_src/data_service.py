@@ -37,6 +37,7 @@ pushed; its rebuilt iterator joins the same job and reads on.
 
 from __future__ import annotations
 
+import time
 import uuid
 import weakref
 
@@ -88,7 +89,13 @@ class ServicePassPerEpoch(tf.keras.utils.experimental.DatasetCreator):
                 "`dataset` must be a tf.data.Dataset. Received: "
                 f"dataset={dataset!r}"
             )
-        if not isinstance(service, str) or not service.strip():
+        if not isinstance(service, str):
+            raise TypeError(
+                "`service` must be the tf.data service dispatcher's address, "
+                'a str such as "grpc://localhost:5000". Received: '
+                f"service={service!r}"
+            )
+        if not service.strip():
             raise ValueError(
                 "`service` must be the tf.data service dispatcher's address, "
                 f'e.g. "grpc://localhost:5000". Received: service={service!r}'
@@ -106,13 +113,22 @@ class ServicePassPerEpoch(tf.keras.utils.experimental.DatasetCreator):
         self._ended = None
 
     def per_worker_dataset(self, strategy, coordinator):
-        """Registers the dataset; returns `(per-worker dataset, next_epoch)`.
+        """Binds to `coordinator`'s cluster (once per coordinator).
 
-        `next_epoch()` (eager, between epochs) starts a new job: iterators
-        made after it read a new pass.
+        Registers the dataset with the dispatcher and creates the pass
+        counter and the per-worker "pass ended" marks on a ps.
+
+        Args:
+          strategy: The `tf2sync.SyncParameterServerStrategy`.
+          coordinator: Its `ClusterCoordinator`.
+
+        Returns:
+          `(per-worker dataset, next_epoch)`: `next_epoch()` (eager,
+          between epochs) starts a new job, which iterators made after it
+          read as a new pass.
         """
-        if self._bound is not None:
-            return self._bound
+        if self._bound is not None and self._bound[2]() is coordinator:
+            return self._bound[:2]
         workers = len(tf_internals.coordinator_workers(coordinator))
         dataset_id = tf.data.experimental.service.register_dataset(
             self.service, self.dataset
@@ -144,11 +160,18 @@ class ServicePassPerEpoch(tf.keras.utils.experimental.DatasetCreator):
             epoch.assign_add(1)
 
         per_worker = coordinator.create_per_worker_dataset(dataset_fn)
-        self._bound = (per_worker, next_epoch)
-        return self._bound
+        self._bound = (per_worker, next_epoch, weakref.ref(coordinator))
+        return self._bound[:2]
 
     def mark_ended(self):
-        """Traced in a step whose worker's pass ended: marks it (step 3)."""
+        """Marks the running worker's pass ended (step 3 of the protocol).
+
+        Traced in a step whose iterator gave no element, after
+        `per_worker_dataset`.
+
+        Returns:
+          The op (a no-op outside a worker's function).
+        """
         worker = step_context.current_worker()
         if worker is None or self._ended is None:
             return tf.no_op()
@@ -158,15 +181,24 @@ class ServicePassPerEpoch(tf.keras.utils.experimental.DatasetCreator):
         )
 
     def all_ended(self) -> bool:
-        """Whether every worker's pass has ended (eager, after a join)."""
+        """Whether every worker's pass has ended (eager, after a join).
+
+        Returns:
+          True once each worker ran a step after its pass ended.
+        """
         return bool(tf.reduce_all(self._ended.read_value() > 0))
+
+    def any_ended(self) -> bool:
+        """Whether some worker's pass has ended (eager)."""
+        return bool(tf.reduce_any(self._ended.read_value() > 0))
 
 
 def _needs_tf2sync(input_context):
     del input_context
     raise ValueError(
-        "tf2sync.ServicePassPerEpoch needs tf2sync.SyncParameterServerStrategy "
-        "(its coordinator reads the pass); received another strategy"
+        "A tf2sync.ServicePassPerEpoch is read only by model.fit and "
+        "tf2sync.Trainer under tf2sync.SyncParameterServerStrategy (not by "
+        "evaluate, predict or another strategy)"
     )
 
 
@@ -201,40 +233,43 @@ def for_fit(creator, handler, model, coordinator, aggregator):
     iterators = _EpochIterators(per_worker, next_pass)
     _PASSES[handler] = creator
     tf_internals.new_iterator_each_epoch(handler)
-    join = handler.sync
     workers = len(tf_internals.coordinator_workers(coordinator))
 
-    def sync():  # the end of an epoch's steps (`catch_stop_iteration`)
-        join()
+    def end_of_pass(join):  # after the join of the epoch's steps
         idle = 0
-        while not creator.all_ended() and idle < 2:
-            before = (
-                None if aggregator is None else int(aggregator.accepted.numpy())
-            )
+        while not creator.all_ended():
+            before = int(aggregator.accepted.numpy())
             for _ in range(2 * workers):
                 model.train_function(iterators.last)
             join()
-            # A worker that never comes back: stop once a round pushes
-            # nothing while some pass has ended (a live worker's pending
-            # function would have pushed, or marked its pass).
-            pushed = (
-                aggregator is None or int(aggregator.accepted.numpy()) != before
-            )
-            ended = bool(tf.reduce_any(creator._ended.read_value() > 0))
-            idle = 0 if pushed or not ended else idle + 1
-        if aggregator is not None:
-            aggregator.flush()
+            if int(aggregator.accepted.numpy()) != before:
+                idle = 0
+                continue
+            # Every function of the round ran on a live worker and pushed
+            # nothing: its worker's pass had ended, and it said so.
+            idle += 1
+            if idle < 2:
+                continue
+            if not creator.any_ended():  # the steps mark nothing: a bug
+                raise RuntimeError(
+                    "tf2sync: the data service pass did not end: two rounds "
+                    "of functions pushed nothing and marked no pass ended"
+                )
+            break  # a worker that never came back
+        aggregator.flush()
 
-    handler.sync = sync
+    tf_internals.after_each_epoch_join(handler, end_of_pass)
     return iterators
 
 
 class _EpochIterators:
     """What `fit`'s data handler iterates: a new pass at each `iter`.
 
-    `enumerate_epochs` calls `iter` once before its first epoch and again
-    at each epoch (`new_iterator_each_epoch`): the first call makes no
-    iterator (it would start a job nobody reads).
+    tf_keras's `enumerate_epochs` calls `iter` once before its first epoch
+    and again at each epoch once its adapter asks for a new iterator
+    (`tf_internals.new_iterator_each_epoch`) [2.21] [2.15]: the first call
+    makes no iterator (it would start a job nobody reads); should an epoch
+    read it, it fails at once rather than silently.
     """
 
     def __init__(self, per_worker, next_pass):
@@ -278,6 +313,26 @@ def start_dispatcher(port: int):
     return tf.data.experimental.service.DispatchServer(
         tf.data.experimental.service.DispatcherConfig(port=port)
     )
+
+
+def wait_for_workers(dispatcher, count: int, timeout: float, where) -> None:
+    """Waits until `count` tf.data workers registered with `dispatcher`.
+
+    Raises:
+      TimeoutError: After `timeout` seconds, naming `where` (the workers'
+        expected addresses) and how many came.
+    """
+    deadline = time.monotonic() + timeout
+    while tf_internals.dispatcher_num_workers(dispatcher) < count:
+        if time.monotonic() > deadline:
+            came = tf_internals.dispatcher_num_workers(dispatcher)
+            raise TimeoutError(
+                f"{came} of {count} tf.data workers registered with the "
+                f"dispatcher within {timeout:g} s (`--connect_timeout`); "
+                f"expected at {', '.join(where)}: start every worker with "
+                "--input_sharding=service and the chief's --data_service_port"
+            )
+        time.sleep(0.1)
 
 
 def start_worker(dispatcher_address: str, worker_address: str):

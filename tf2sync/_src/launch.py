@@ -469,6 +469,12 @@ def _check_input_sharding():
         raise app.UsageError(
             f"--data_service_port={port}: a port is 1-65535.", exitcode=2
         )
+    worker_port = _DATA_SERVICE_WORKER_PORT.value
+    if worker_port is not None and not 0 < worker_port < 65536:
+        raise app.UsageError(
+            f"--data_service_worker_port={worker_port}: a port is 1-65535.",
+            exitcode=2,
+        )
     if port is None and _cluster_source() != "local":
         raise app.UsageError(
             "--input_sharding=service needs --data_service_port outside the "
@@ -591,6 +597,12 @@ def _serve(spec, job, index):
             _DATA_SERVICE_PORT.value,
             _DATA_SERVICE_WORKER_PORT.value,
         )
+        if int(address.rsplit(":", 1)[1]) > 65535:
+            raise app.UsageError(
+                f"--data_service_port={_DATA_SERVICE_PORT.value}: worker "
+                f"{index}'s tf.data worker port ({address}) is past 65535.",
+                exitcode=2,
+            )
         tf_data_worker = data_service.start_worker(dispatcher, address)
         logging.info(
             "tf.data worker at %s (dispatcher %s)", address, dispatcher
@@ -667,6 +679,19 @@ def train(resolver, job):
         from tf2sync._src import data_service
 
         dispatcher = data_service.start_dispatcher(_DATA_SERVICE_PORT.value)
+        spec = resolver.cluster_spec().as_dict()
+        workers = len(spec["worker"])
+        data_service.wait_for_workers(
+            dispatcher,
+            workers,
+            _CONNECT_TIMEOUT.value,
+            [
+                data_service.addresses(
+                    spec, i, _DATA_SERVICE_PORT.value, _worker_port_flag(i)
+                )[1]
+                for i in range(workers)
+            ],
+        )
         config = dataclasses.replace(config, data_service=target)
     try:
         return chief.train(resolver, job, config)
@@ -761,10 +786,6 @@ def _main():
     log_dir = console.launcher_log_dir() or console.task_log_dir(
         _TASK_LOG_DIR.value
     )
-    if _INPUT_SHARDING.value == "service" and _DATA_SERVICE_PORT.value is None:
-        from tf2sync._src import cluster as cluster_lib
-
-        flags.FLAGS.data_service_port = cluster_lib.pick_free_ports(1)[0]
     cluster = processes.LocalProcessCluster(
         workers,
         ps,
@@ -784,6 +805,15 @@ def _main():
     return 0
 
 
+def _worker_port_flag(index):
+    """Worker `index`'s --data_service_worker_port as the chief knows it:
+    the local mode's own pick, else the default (None)."""
+    return _LOCAL_WORKER_PORTS[index] if _LOCAL_WORKER_PORTS else None
+
+
+_LOCAL_WORKER_PORTS = []  # the local mode's tf.data worker ports
+
+
 def _service_worker_args(num_workers):
     """Worker i's flags for --input_sharding=service in the local mode
     (free ports for the tf.data workers), or None."""
@@ -791,7 +821,13 @@ def _service_worker_args(num_workers):
         return None
     from tf2sync._src import cluster as cluster_lib
 
-    ports = cluster_lib.pick_free_ports(num_workers)
+    # One pick for all (separate picks could return the same port).
+    ports = cluster_lib.pick_free_ports(
+        num_workers + (_DATA_SERVICE_PORT.value is None)
+    )
+    if _DATA_SERVICE_PORT.value is None:
+        flags.FLAGS.data_service_port = ports.pop()
+    _LOCAL_WORKER_PORTS[:] = ports
     return [
         [
             "--input_sharding=service",

@@ -482,6 +482,35 @@ def caller_self_of_type(type_name):
     return None
 
 
+def keras_entry_point(model):
+    """Which of `model`'s `fit`, `evaluate` or `predict` is running now
+    (the nearest on the stack: `evaluate` inside `fit` for its validation
+    data), or None (`sys._getframe`; tf_keras's method names [2.21]
+    [2.15])."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_name
+        if name in ("fit", "evaluate", "predict") and (
+            frame.f_locals.get("self") is model
+        ):
+            return name
+        frame = frame.f_back
+    return None
+
+
+def after_each_epoch_join(handler, fn) -> None:
+    """Makes a `_ClusterCoordinatorDataHandler` call `fn()` after each join
+    that ends an epoch's steps: its `sync`, which `catch_stop_iteration`
+    calls once the epoch's functions are scheduled [2.21] [2.15]."""
+    join = handler.sync
+
+    def sync():
+        join()
+        fn(join)
+
+    handler.sync = sync
+
+
 def data_handler_model(handler):
     """The model a tf_keras data handler serves (`_model`), or None."""
     return getattr(handler, "_model", None)
@@ -947,3 +976,9 @@ def service_dataset_of_job(service, dataset_id, element_spec, job_name):
         element_spec=element_spec,
         job_name=job_name,
     )
+
+
+def dispatcher_num_workers(dispatcher) -> int:
+    """tf.data workers registered with a `DispatchServer` (its
+    `_num_workers`) [2.21] [2.15]."""
+    return int(dispatcher._num_workers())

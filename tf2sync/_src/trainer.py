@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import numbers
 import sys
 import time
 
@@ -343,7 +344,11 @@ class Trainer:
                     f"steps_per_epoch={steps_per_epoch!r}"
                 )
             return
-        if not isinstance(steps_per_epoch, int) or steps_per_epoch <= 0:
+        if (
+            not isinstance(steps_per_epoch, numbers.Integral)
+            or isinstance(steps_per_epoch, bool)
+            or steps_per_epoch <= 0
+        ):
             raise ValueError(
                 "`steps_per_epoch` must be a positive int. Received: "
                 f"steps_per_epoch={steps_per_epoch!r}"

@@ -144,7 +144,8 @@ def _scheduler(model, coordinator, sync):
         # One function per value, as fit's data handler counts them.
         steps = _steps_of_call(model, handler)
         service = data_service.pass_of(handler)
-        key = steps if service is None else (steps, "pass")
+        # One function per pass object: its steps mark that one's passes.
+        key = steps if service is None else (steps, "pass", id(service))
         function = functions.get(key)
         if function is None:
             function = tf.function(_unrolled(model, steps, service))
@@ -158,6 +159,11 @@ def _scheduler(model, coordinator, sync):
 
     schedule.functions = functions  # by steps (not tracked by Keras)
     return schedule
+
+
+def is_unrolled(model) -> bool:
+    """Whether `fit` of `model` runs tf2sync's repeating train function."""
+    return bool(getattr(model, "_tf2sync_unrolled", None))
 
 
 def repeat_by_default(model) -> None:
@@ -247,6 +253,8 @@ def _unrolled(model, steps, service=None):
                 return traced[0]
 
             def skip():  # traced after run_element: its outputs' structure
+                if not traced:  # tf.cond traces the true branch first
+                    raise RuntimeError("tf2sync: the step was not traced")
                 with tf.control_dependencies([service.mark_ended()]):
                     return tf.nest.map_structure(_zeros_like_spec, traced[0])
 
