@@ -39,10 +39,14 @@ SCENARIOS = (
     "memory",
     "accuracy",
     "sharding",
+    "startup",
 )
 # The harness's default: all but `sharding` (w4's 2 x 512 MB of tables and
-# momentum on 2 ps; about 4 min more on 2 cores: --scenarios=...,sharding).
-DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s != "sharding")
+# momentum on 2 ps; about 4 min more on 2 cores: --scenarios=...,sharding)
+# and `startup` (24 fresh processes, about 6 min: --scenarios=startup).
+DEFAULT_SCENARIOS = tuple(
+    s for s in SCENARIOS if s not in ("sharding", "startup")
+)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # A baseline tree's own worker (--baseline_tree): it imports that tree's
 # tf2sync and its own benchmarks/ modules, and speaks the same protocol.
@@ -197,7 +201,8 @@ class Bench:
                             "cluster": cluster,
                             "task": {"type": "worker", "index": i},
                         }
-                    )
+                    ),
+                    **self.worker_device_env(i),
                 },
             )
             for i in range(workers)
@@ -228,13 +233,32 @@ class Bench:
                     f"--task_index={i}",
                     *hosts,
                 ),
-                env={"CUDA_VISIBLE_DEVICES": "", **(env or {})},
+                env={
+                    "CUDA_VISIBLE_DEVICES": "",
+                    **(self.worker_device_env(i) if job == "worker" else {}),
+                    **(env or {}),
+                },
                 protocol=False,
             )
             for job, count in (("ps", ps), ("worker", workers))
             for i in range(count)
         ]
         return spec, tasks
+
+    def worker_device_env(self, index):
+        """Worker `index`'s device environment: CPU only, or with
+        `--worker_gpus` its GPUs (shared modulo the machine's count, each
+        process growing its memory)."""
+        per_worker = getattr(self.s, "worker_gpus", 0)
+        if not per_worker:
+            return {"CUDA_VISIBLE_DEVICES": ""}
+        count = int(os.environ.get("TF2SYNC_BENCH_GPUS", "1"))
+        return {
+            "CUDA_VISIBLE_DEVICES": ",".join(
+                str((index * per_worker + i) % count) for i in range(per_worker)
+            ),
+            "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+        }
 
     # -- driving ----------------------------------------------------------
 

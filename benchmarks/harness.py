@@ -40,7 +40,14 @@ by side, each ps's state beside its shards' bytes, and tf2sync on w3 in 2
 shards on 2 ps against w3 on 1 ps. It adds about 4 min on 2 cores (248 s
 measured, 3 repeats of 20 functions) and ~1.8 GB of RSS per ps (every PSS
 system's copy of w4 lives on the same 2 ps):
---scenarios=main,...,sharding, or --scenarios=sharding alone.
+--scenarios=main,...,sharding, or --scenarios=sharding alone. `startup`,
+not in the default run either (benchmarks/startup.py): time from the call
+of `model.fit` (tf2sync_fit, pss_async_fit) or a custom loop's first
+`schedule` (tf2sync_loop, pss_async; tf2sync_loop_while on request) to the
+first applied update, split into tracing, function registration and first
+execution, and the first steps; each repeat in a fresh process
+(--startup_workloads=w1,digits, --startup_repeats=3: 24 processes, about
+6 min on 2 cores).
 
 Before and after (--baseline_tree=PATH, e.g. a git worktree of the
 previous commit): every tf2sync system of the main scenario also runs from
@@ -57,6 +64,7 @@ PNG plot under --output_dir (default docs/).
   python benchmarks/harness.py          # the full run: ~8-13 min, 2 cores
   python benchmarks/harness.py --smoke --output_dir=/tmp/b   # ~15 s
   python benchmarks/harness.py --from_jsonl=docs/benchmarks.jsonl
+  python benchmarks/harness.py --scenarios=startup --output_dir=/tmp/bt
   python benchmarks/harness.py --scenarios=sharding --repeats=3
       --functions=w4:20 --output_dir=/tmp/bs    # w4 alone: ~4 min
   python benchmarks/harness.py --scenarios=main --output_dir=/tmp/ba
@@ -78,6 +86,7 @@ import driver
 import procs
 import report
 import scenarios
+import startup
 from absl import app
 from absl import flags
 from driver import DEFAULT_SCENARIOS
@@ -155,6 +164,38 @@ _SHARDING_ROWS = flags.DEFINE_integer(
     2_000_000,
     "Embedding rows of w4 (the sharding scenario; --smoke: 2,000).",
 )
+_STARTUP_WORKLOADS = flags.DEFINE_list(
+    "startup_workloads",
+    ["w1", "digits"],
+    f"Workloads of the startup scenario, of {', '.join(startup.WORKLOADS)}"
+    " (--smoke: w1).",
+)
+_STARTUP_SYSTEMS = flags.DEFINE_list(
+    "startup_systems",
+    list(startup.SYSTEMS),
+    "Systems of the startup scenario, of "
+    f"{', '.join(startup.SYSTEMS + startup.EXTRA_SYSTEMS)}.",
+)
+_STARTUP_REPEATS = flags.DEFINE_integer(
+    "startup_repeats",
+    3,
+    "Fresh processes per startup cell (--smoke: 1).",
+)
+_WORKER_GPUS = flags.DEFINE_integer(
+    "worker_gpus",
+    0,
+    "GPUs each training worker task uses (tf2sync and stock PSS workers, "
+    "MultiWorkerMirroredStrategy's workers): 0, the default, keeps every "
+    "task on CPU. Workers share the machine's GPUs (GPU i mod count), with "
+    "memory growth; the ps stay on CPU (benchmarks/gpu_check.sh).",
+    lower_bound=0,
+)
+_STARTUP_ROUNDS = flags.DEFINE_integer(
+    "startup_rounds",
+    3,
+    "Steady-state rounds (one function per worker) timed after the first "
+    "functions, in each startup run (--smoke: 1).",
+)
 _TIMEOUT = flags.DEFINE_float(
     "timeout", 300.0, "Seconds one command to a subprocess may take."
 )
@@ -193,6 +234,8 @@ for _name in (
     "straggler_functions",
     "memory_repeats",
     "sharding_rows",
+    "startup_repeats",
+    "startup_rounds",
 ):
     flags.register_validator(
         _name, lambda v: v > 0, message=f"--{_name} must be positive."
@@ -256,6 +299,15 @@ class Settings:
     accuracy_epochs: int
     sharding_rows: int = 2_000_000
     baseline_tree: str | None = None
+    startup_workloads: list = dataclasses.field(
+        default_factory=lambda: ["w1", "digits"]
+    )
+    startup_systems: list = dataclasses.field(
+        default_factory=lambda: list(startup.SYSTEMS)
+    )
+    startup_repeats: int = 3
+    startup_rounds: int = 3
+    worker_gpus: int = 0
 
     @property
     def sharding_workload(self) -> str:
@@ -302,6 +354,11 @@ def _settings() -> Settings:
         sharding_rows=given(_SHARDING_ROWS, 2_000),
         baseline_tree=_BASELINE_TREE.value
         and os.path.abspath(_BASELINE_TREE.value),
+        startup_workloads=given(_STARTUP_WORKLOADS, ["w1"]),
+        startup_systems=_STARTUP_SYSTEMS.value,
+        startup_repeats=given(_STARTUP_REPEATS, 1),
+        startup_rounds=given(_STARTUP_ROUNDS, 1),
+        worker_gpus=_WORKER_GPUS.value,
     )
 
 
@@ -310,6 +367,12 @@ def _check(settings):
         ("workloads", settings.workloads, _WORKLOADS_ALL),
         ("systems", settings.systems, SYSTEMS),
         ("scenarios", settings.scenarios, SCENARIOS),
+        ("startup_workloads", settings.startup_workloads, startup.WORKLOADS),
+        (
+            "startup_systems",
+            settings.startup_systems,
+            startup.SYSTEMS + startup.EXTRA_SYSTEMS,
+        ),
     ):
         unknown = sorted(set(values) - set(allowed))
         if unknown:
@@ -377,6 +440,8 @@ def main(argv):
             scenarios.scenario_accuracy(bench)
         if "sharding" in settings.scenarios:
             scenarios.scenario_sharding(bench)
+        if "startup" in settings.scenarios:
+            startup.scenario_startup(bench)
     finally:
         registry.stop_all()
         sink.write(

@@ -13,6 +13,7 @@ import os
 import platform
 
 import sections
+import startup
 from sections import EMBEDDING_MB
 from sections import fmt
 from sections import median
@@ -323,6 +324,7 @@ def render(records, image_note) -> str:
         ("ps memory", sections.memory_section(records)),
         ("Time to accuracy", sections.accuracy_section(records)),
         ("Sharding (w4 on 2 ps)", sections.sharding_section(records)),
+        ("Time to the first update", startup.startup_section(records)),
     ):
         if section:
             lines += [f"## {title}", "", *section]

@@ -1,0 +1,181 @@
+"""The `startup` scenario: time to the first applied update (no TensorFlow).
+
+Per workload and system, each repeat in a fresh chief process
+(`startup_worker.py`, an in-process cluster of 2 workers + 1 ps on
+127.0.0.1; first-trace costs are per process), the systems interleaved as
+the harness does (the order rotates each round): from the call of
+`model.fit` (tf2sync_fit, pss_async_fit) or the custom loop's first
+`schedule` (tf2sync_loop, pss_async) to the first applied update, split
+into (a) tracing (inside the first `ClusterCoordinator.schedule`), (b)
+function registration and first execution on the workers and ps (from
+that schedule's return to the first function's result, minus one
+steady-state function time) and (c) the first steps (one steady-state
+function time). See startup_worker.py for what each field times.
+
+Not in the default run: 4 systems x 2 workloads x 3 repeats is 24 fresh
+processes, about 6 min on 2 cores (--scenarios=startup).
+"""
+
+from __future__ import annotations
+
+import procs
+from sections import fmt
+from sections import median
+from sections import ratio
+from sections import table
+
+SYSTEMS = ("tf2sync_fit", "pss_async_fit", "tf2sync_loop", "pss_async")
+# Also measurable (--startup_systems): tf2sync's loop in a tf.while_loop
+# of single steps, which traces one copy of the step, as stock PSS does.
+EXTRA_SYSTEMS = ("tf2sync_loop_while",)
+# Each tf2sync system and the stock PSS system it is compared with.
+PAIRS = (
+    ("tf2sync_fit", "pss_async_fit"),
+    ("tf2sync_loop", "pss_async"),
+    ("tf2sync_loop_while", "pss_async"),
+)
+WORKLOADS = ("w1", "digits", "resnet50")
+WORKLOAD_TEXT = {
+    "w1": "MLP 32-64-10, batch 32/worker",
+    "digits": "the launcher's digits conv net, batch 32/worker",
+    "resnet50": "ResNet-50 (weights=None) on 64x64x3, batch 4/worker",
+}
+# The fields of a measurement, in the table's order: (field, header).
+FIELDS = (
+    ("before_schedule_s", "fit to 1st schedule s"),
+    ("trace_s", "(a) trace s"),
+    ("register_s", "(b) register + 1st run s"),
+    ("steady_function_s", "(c) 1 function s"),
+    ("first_function_s", "to 1st result s"),
+    ("first_update_s", "to 1st update s"),
+)
+
+
+def scenario_startup(bench, workers=2):
+    """Each (workload, system) `startup_repeats` times, a fresh process
+    each, interleaved; one record per measurement."""
+    s = bench.s
+    base = {
+        "scenario": "startup",
+        "workers": workers,
+        "steps_per_function": s.k,
+        "rounds": s.startup_rounds,
+    }
+    for workload in s.startup_workloads:
+        order = list(s.startup_systems)
+        for repeat in range(s.startup_repeats):
+            shift = repeat % len(order)
+            for system in order[shift:] + order[:shift]:
+                _measure(bench, {**base, "workload": workload}, system, repeat)
+
+
+def _measure(bench, base, system, repeat):
+    s = bench.s
+    name = f"startup_{base['workload']}_{system}_{repeat}"
+    child = bench._start(
+        name,
+        bench._python("startup_worker.py", f"--workers={base['workers']}"),
+    )
+    record = {**base, "system": system, "repeat": repeat}
+    try:
+        ready = child.receive(s.timeout)
+        answer = child.call(
+            "measure",
+            s.timeout,
+            system=system,
+            workload=base["workload"],
+            k=s.k,
+            rounds=s.startup_rounds,
+        )
+        answer.pop("op", None)
+        bench.sink.write({**record, **answer, "ready_s": ready.get("ready_s")})
+    except procs.ChildError as e:
+        bench.sink.write({**record, "error": str(e)})
+    finally:
+        bench.registry.stop([child])
+
+
+def _ratio(a, b):
+    """a / b, None where b is under 1 ms (a loop's `fit to 1st schedule`)."""
+    return ratio(a, b) if b is not None and b >= 0.001 else None
+
+
+def _runs(records):
+    return [
+        r
+        for r in records
+        if r.get("scenario") == "startup" and "first_update_s" in r
+    ]
+
+
+def medians(records) -> dict:
+    """{(workload, system): {field: median}} with "runs" the count."""
+    found = {}
+    for r in _runs(records):
+        found.setdefault((r["workload"], r["system"]), []).append(r)
+    return {
+        key: {
+            "runs": len(rs),
+            **{f: median([r.get(f) for r in rs]) for f, _ in FIELDS},
+        }
+        for key, rs in found.items()
+    }
+
+
+def startup_section(records) -> list[str]:
+    """The split per workload and system, and tf2sync / stock PSS."""
+    found = medians(records)
+    failed = [
+        r for r in records if r.get("scenario") == "startup" and "error" in r
+    ]
+    if not found and not failed:
+        return []
+    lines = [
+        "From the call of `model.fit` (or the custom loop's first "
+        "`schedule`) to the first applied update (the optimizer's "
+        "`iterations` on the ps >= 1, polled by the chief every 5 ms) and "
+        "to the first function's result, each repeat in a fresh process "
+        "(2 workers + 1 ps, in-process), the systems interleaved; medians. "
+        "(a) the first `ClusterCoordinator.schedule` call (tracing); (b) "
+        "from its return to the first function's result, minus (c) one "
+        "steady-state function (one function per worker); fit also spends "
+        "`fit to 1st schedule` building each worker's iterator. Ratios are "
+        "tf2sync / stock PSS.",
+        "",
+    ]
+    header = ["workload", "system", *[h for _, h in FIELDS], "runs"]
+    rows = []
+    for workload in WORKLOADS:
+        shown = set()
+        for ours, theirs in PAIRS:
+            for system in (ours, theirs):
+                m = found.get((workload, system))
+                if m and system not in shown:
+                    shown.add(system)
+                    rows.append(
+                        [
+                            workload,
+                            f"`{system}`",
+                            *[fmt(m[f], ".3f") for f, _ in FIELDS],
+                            m["runs"],
+                        ]
+                    )
+            a, b = found.get((workload, ours)), found.get((workload, theirs))
+            if a and b:
+                rows.append(
+                    [
+                        workload,
+                        f"{ours} / {theirs}",
+                        *[fmt(_ratio(a[f], b[f]), ".2f") for f, _ in FIELDS],
+                        "",
+                    ]
+                )
+    lines += table(header, rows) + [""]
+    for r in failed:
+        lines.append(
+            f"- {r.get('workload')} `{r.get('system')}` repeat "
+            f"{r.get('repeat')}: error {r['error'][:200]}"
+        )
+    if failed:
+        lines.append("")
+    return lines

@@ -1,0 +1,394 @@
+"""Benchmark subprocess: time to the first applied update, in a fresh process.
+
+One measurement per process (first-trace costs are per process): the
+harness starts this chief with an in-process cluster (2 workers + 1 ps on
+127.0.0.1), sends one `measure(system, workload, k, rounds)` and ends it by
+PID. Systems: `tf2sync_fit` and `pss_async_fit` (`model.fit`,
+steps_per_execution=k), `tf2sync_loop`, `tf2sync_loop_while` and
+`pss_async` (a custom loop on a `ClusterCoordinator`, k steps per
+function, as systems.LoopRunner builds them: tf2sync_loop with the step
+repeated in the graph, the others in a `tf.while_loop`). Workloads: w1
+(workloads.py), `digits` (the launcher's default job,
+tf2sync/_src/jobs/digits.py, as accuracy.py trains it) and `resnet50`
+(`tf.keras.applications.ResNet50(weights=None)`, 64x64x3 random images,
+10 classes, batch 4 per worker).
+
+What is timed (time.perf_counter on the chief; t0 = the call of
+`model.fit`, or the loop's first `schedule`):
+
+* `before_schedule_s`: t0 to the first `ClusterCoordinator.schedule`
+  (fit only: its data handler, each worker's iterator, the train function
+  wrapper);
+* `trace_s` (a): inside that first `schedule` call (the outermost, so
+  tf2sync's `SyncCoordinator.schedule` included): `tf.function` tracing is
+  synchronous there, then the closure is queued;
+* `first_update_s`: t0 to the first applied update: the optimizer's
+  `iterations` on the ps >= 1, polled by a chief thread every 5 ms from
+  the first schedule's return;
+* `first_function_s`: t0 to the first scheduled function's result fetched
+  (`RemoteValue.get()` in a chief thread: it waits for the function's
+  outputs on the worker; each function returns a value);
+* `steady_function_s` (c): one function's time once warm: after the
+  first functions are done, `rounds` rounds of one function per worker
+  (loops: scheduled and joined; fit: its second epoch), per round;
+* `register_s` (b): from the first schedule's return to the first
+  function's result, minus `steady_function_s`: function registration on
+  the workers and ps, their first execution (kernel and executor set-up),
+  the first remote reads and the fetch.
+
+So `first_function_s = before_schedule_s + trace_s + register_s +
+steady_function_s`. Started by benchmarks/harness.py (--scenarios=startup).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import os
+import threading
+import time
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+_STARTED = time.perf_counter()
+
+import procs  # noqa: E402
+
+procs.die_with_parent()
+
+import numpy as np  # noqa: E402
+import systems  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import workloads  # noqa: E402
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+import tf2sync  # noqa: E402
+from tf2sync._src import coordinator as sync_coordinator  # noqa: E402
+from tf2sync._src import loops  # noqa: E402
+from tf2sync._src.jobs import digits  # noqa: E402
+
+_WORKERS = flags.DEFINE_integer("workers", 2, "Worker tasks.")
+_POLL_S = 0.005
+# Set to a path prefix: the first schedule call runs under cProfile, its
+# stats written to PREFIX.<pid> (for finding what the trace spends; the
+# profiler slows it, so not for the numbers).
+PROFILE_ENV = "TF2SYNC_STARTUP_PROFILE"
+# An experiment, not a system: set to 1 to run tf2sync's per-step graph
+# rewrite (`graph_rewrites.order_only_reads_after`, plain Python over the
+# step's ops) without autograph's conversion, which the trace otherwise
+# applies to it as to any function called in a `tf.function`.
+PLAIN_REWRITES_ENV = "TF2SYNC_STARTUP_PLAIN_REWRITES"
+RESNET_SHAPE = (64, 64, 3)
+RESNET_BATCH = 4
+DIGITS_BATCH = 32  # accuracy.py's
+
+
+class _Clock:
+    """Times the outermost first `schedule` and what follows it.
+
+    Patches `ClusterCoordinator.schedule` and tf2sync's override (a
+    subclass) for this process only; records the first outermost call's
+    entry and return, then starts two chief threads: one waits for that
+    call's `RemoteValue`, one polls `iterations` until it is >= 1.
+    """
+
+    def __init__(self, iterations):
+        self.iterations = iterations
+        self.enter = self.leave = self.done = self.update = None
+        self.first = None  # the name of the first function scheduled
+        self.polls = 0
+        self._depth = threading.local()
+        self._threads = []
+        for cls in (
+            tf.distribute.coordinator.ClusterCoordinator,
+            sync_coordinator.SyncCoordinator,
+        ):
+            if "schedule" in vars(cls):
+                cls.schedule = self._wrap(vars(cls)["schedule"])
+
+    def _wrap(self, schedule):
+        clock = self
+
+        def timed(coordinator, fn, args=None, kwargs=None):
+            depth = getattr(clock._depth, "n", 0)
+            first = depth == 0 and clock.enter is None
+            if first:
+                clock.enter = time.perf_counter()
+                clock.first = getattr(fn, "__name__", type(fn).__name__)
+            clock._depth.n = depth + 1
+            profile = first and os.environ.get(PROFILE_ENV)
+            profiler = cProfile.Profile() if profile else None
+            try:
+                if profiler:
+                    profiler.enable()
+                value = schedule(coordinator, fn, args=args, kwargs=kwargs)
+            finally:
+                clock._depth.n = depth
+                if profiler:
+                    profiler.disable()
+                    profiler.dump_stats(f"{profile}.{os.getpid()}")
+            if first:
+                clock.leave = time.perf_counter()
+                clock._start(value)
+            return value
+
+        return timed
+
+    def _start(self, value):
+        def wait():
+            try:
+                value.get()
+            finally:
+                self.done = time.perf_counter()
+
+        def poll():
+            deadline = time.perf_counter() + 600
+            while time.perf_counter() < deadline:
+                self.polls += 1
+                if int(self.iterations.numpy()) >= 1:
+                    self.update = time.perf_counter()
+                    return
+                time.sleep(_POLL_S)
+
+        self._threads = [
+            threading.Thread(target=f, daemon=True) for f in (wait, poll)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def join(self, timeout=600):
+        for t in self._threads:
+            t.join(timeout)
+
+
+def _model(workload):
+    if workload == "digits":
+        return digits.build_model()
+    if workload == "resnet50":
+        tf.keras.utils.set_random_seed(workloads.SEED)
+        return tf.keras.applications.ResNet50(
+            weights=None, input_shape=RESNET_SHAPE, classes=10
+        )
+    return workloads.build_model(workload)
+
+
+def _optimizer(workload):
+    if workload == "digits":  # accuracy.py's
+        return tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9)
+    return workloads.optimizer("legacy")
+
+
+def _batch(workload):
+    if workload == "digits":
+        return DIGITS_BATCH
+    if workload == "resnet50":
+        return RESNET_BATCH
+    return workloads.batch(workload)
+
+
+def _dataset(workload, batch):
+    """A dataset function's dataset (a worker's own, for digits: 1 of 1)."""
+    if workload == "digits":
+        return digits.train_dataset(tf.distribute.InputContext(), batch)
+    if workload == "resnet50":
+        rng = np.random.RandomState(workloads.SEED)
+        x = rng.rand(batch * 2, *RESNET_SHAPE).astype("float32")
+        y = rng.randint(0, 10, batch * 2)
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
+    return workloads.dataset(workload, batch)
+
+
+def _loss(workload):
+    """(the loop's loss(y, output), the loss for `compile`)."""
+    if workload in ("digits", "resnet50"):  # softmax outputs
+        return (
+            lambda y, p: tf.reduce_mean(
+                tf.keras.losses.sparse_categorical_crossentropy(y, p)
+            ),
+            tf.keras.losses.SparseCategoricalCrossentropy(),
+        )
+    return workloads.loss_fn(workload), workloads.keras_loss(workload)
+
+
+def _strategy(resolver, sync, workers):
+    if sync:
+        return tf2sync.SyncParameterServerStrategy(
+            resolver, replicas_to_aggregate=workers, total_num_replicas=workers
+        )
+    return tf.distribute.experimental.ParameterServerStrategy(resolver)
+
+
+class _Server:
+    def __init__(self, resolver, workers):
+        self.resolver = resolver
+        self.workers = workers
+        self.measured = False
+
+    def measure(self, system, workload, k, rounds):
+        if self.measured:
+            raise RuntimeError("One measurement per process.")
+        self.measured = True
+        sync = system.startswith("tf2sync")
+        start = time.perf_counter()
+        strategy = _strategy(self.resolver, sync, self.workers)
+        batch = _batch(workload)
+        loop_loss, keras_loss = _loss(workload)
+        with strategy.scope():
+            model = _model(workload)
+            inner = _optimizer(workload)
+            opt = tf2sync.SyncOptimizer(inner) if sync else inner
+        fit = system.endswith("_fit")
+        if fit:
+            with strategy.scope():
+                model.compile(
+                    optimizer=opt, loss=keras_loss, steps_per_execution=k
+                )
+            result = self._fit(model, opt, workload, batch, k, rounds, start)
+        else:
+            with strategy.scope():
+                if sync:
+                    opt.build(model.trainable_variables)
+                else:
+                    inner._create_all_weights(model.trainable_variables)
+            result = self._loop(
+                strategy,
+                model,
+                opt,
+                workload,
+                batch,
+                k,
+                rounds,
+                loop_loss,
+                unrolled=system == "tf2sync_loop",
+            )
+            result["setup_s"] = round(result.pop("t0") - start, 4)
+        return {
+            "system": system,
+            "workload": workload,
+            "k": k,
+            "rounds": rounds,
+            "batch": batch,
+            "parameters": int(model.count_params()),
+            "ready_s": round(self.ready_s, 3),
+            "plain_rewrites": os.environ.get(PLAIN_REWRITES_ENV) == "1",
+            **result,
+        }
+
+    def _split(self, clock, t0, steady):
+        clock.join()
+        if clock.done is None or clock.update is None:
+            raise RuntimeError("The first function or update was not seen.")
+        first = clock.done - t0
+        return {
+            "before_schedule_s": round(clock.enter - t0, 4),
+            "trace_s": round(clock.leave - clock.enter, 4),
+            "register_s": round(clock.done - clock.leave - steady, 4),
+            "steady_function_s": round(steady, 4),
+            "first_function_s": round(first, 4),
+            "first_update_s": round(clock.update - t0, 4),
+            "update_polls": clock.polls,
+            "first_scheduled": clock.first,
+        }
+
+    def _loop(
+        self, strategy, model, opt, workload, batch, k, rounds, loss, unrolled
+    ):
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        iterator = iter(
+            coordinator.create_per_worker_dataset(
+                lambda: _dataset(workload, batch)
+            )
+        )
+        group = strategy.options.max_unrolled_steps if unrolled else None
+
+        def replica(data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                value = loss(y, model(x, training=True))
+            grads = tape.gradient(value, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return value
+
+        # As systems.LoopRunner: tf2sync_loop repeats the step in the graph
+        # (tf2sync.Trainer's default), tf2sync_loop_while and pss_async run
+        # a tf.while_loop of single steps.
+        @tf.function
+        def train(iterator):
+            if group is None:
+                for _ in tf.range(k):
+                    strategy.run(replica, args=(next(iterator),))
+                return tf.constant(0)
+
+            def step(count):
+                strategy.run(replica, args=(next(iterator),))
+                return count + 1
+
+            return loops.repeat(step, k, group, tf.constant(0))
+
+        clock = _Clock(opt.iterations)
+        t0 = time.perf_counter()
+        for _ in range(self.workers):  # one first function per worker
+            coordinator.schedule(train, args=(iterator,))
+        coordinator.join()
+        steady_start = time.perf_counter()
+        for _ in range(rounds * self.workers):
+            coordinator.schedule(train, args=(iterator,))
+        coordinator.join()
+        steady = (time.perf_counter() - steady_start) / rounds
+        result = self._split(clock, t0, steady)
+        result["t0"] = t0
+        result["steps"] = int(opt.iterations.numpy())
+        return result
+
+    def _fit(self, model, opt, workload, batch, k, rounds, start):
+        if workload == "digits":  # as accuracy.py and the launcher
+            data = tf.keras.utils.experimental.DatasetCreator(
+                lambda ctx: digits.train_dataset(ctx, batch)
+            )
+        else:
+            data = _dataset(workload, batch)
+        timer = systems._EpochTimer(1, lambda: [int(opt.iterations.numpy())])
+        clock = _Clock(opt.iterations)
+        t0 = time.perf_counter()
+        model.fit(
+            data,
+            epochs=2,
+            steps_per_epoch=rounds * self.workers * k,
+            verbose=0,
+            callbacks=[timer],
+        )
+        steady = timer.seconds / rounds
+        result = self._split(clock, t0, steady)
+        result["setup_s"] = round(t0 - start, 4)
+        result["call_s"] = round(time.perf_counter() - t0, 4)
+        result["steps"] = int(opt.iterations.numpy())
+        return result
+
+
+def _plain_rewrites():
+    from tf2sync._src import graph_rewrites
+
+    graph_rewrites.order_only_reads_after = (
+        tf.autograph.experimental.do_not_convert(
+            graph_rewrites.order_only_reads_after
+        )
+    )
+
+
+def main(argv):
+    del argv
+    tf.get_logger().setLevel("ERROR")
+    if os.environ.get(PLAIN_REWRITES_ENV) == "1":
+        _plain_rewrites()
+    resolver = tf2sync.testing.local_cluster(_WORKERS.value, 1)
+    server = _Server(resolver, _WORKERS.value)
+    server.ready_s = time.perf_counter() - _STARTED
+    procs.serve(
+        {"measure": server.measure},
+        ready={"workers": _WORKERS.value, "ready_s": round(server.ready_s, 3)},
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)

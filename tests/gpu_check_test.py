@@ -1,0 +1,102 @@
+"""benchmarks/gpu_check.sh on a machine without a GPU: it says it skipped
+the GPU parts, writes its table and exits 0; the flags its GPU parts pass
+exist (each command line parses)."""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import procutil
+from absl.testing import absltest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SCRIPT = os.path.join(_ROOT, "benchmarks", "gpu_check.sh")
+
+
+def _has_gpu():
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+class GpuCheckTest(absltest.TestCase):
+    def test_without_a_gpu_it_skips_and_writes_its_table(self):
+        if _has_gpu():
+            self.skipTest("a GPU is here: the script would run its parts")
+        out_dir = tempfile.mkdtemp()
+        done = subprocess.run(
+            ["bash", _SCRIPT, out_dir],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(procutil.ENV, PYTHON=sys.executable),
+        )
+        self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+        self.assertIn("skipped the GPU parts", done.stdout)
+        with open(os.path.join(out_dir, "gpu_check.md")) as f:
+            table = f.read()
+        rows = re.findall(
+            r"^\| (\w+) \| `([^`]*)` \| - \| - \| (.*) \|$", table, re.M
+        )
+        self.assertEqual(
+            [r[0] for r in rows],
+            ["main_job_gpu", "main_job_mixed_float16", "w2_gpu_workers"],
+            table,
+        )
+        self.assertTrue(all(r[2] == "skipped: no GPU" for r in rows), table)
+
+    def test_the_gpu_parts_command_lines_parse(self):
+        # Each part's flags, then one the program refuses after parsing
+        # them all (exit 2, or the harness's line), so nothing starts: an
+        # unknown flag would be absl's "Flags parsing error" instead.
+        harness = os.path.join(_ROOT, "benchmarks", "harness.py")
+        for args, refusal in (
+            (["-m", "tf2sync", "--num_gpus=1", "--epochs=3", "--epochs=0"], ""),
+            (
+                [
+                    "-m",
+                    "tf2sync",
+                    "--num_gpus=1",
+                    "--mixed_precision=mixed_float16",
+                    "--epochs=0",
+                ],
+                "",
+            ),
+            (
+                [
+                    harness,
+                    "--scenarios=main",
+                    "--workloads=w2",
+                    "--systems=tf2sync_fit,tf2sync_loop,pss_async,mwms",
+                    "--repeats=3",
+                    "--worker_gpus=1",
+                    "--scenarios=no_such",
+                ],
+                "--scenarios: unknown ['no_such']",
+            ),
+        ):
+            done = subprocess.run(
+                [sys.executable, *args],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=procutil.ENV,
+                cwd=_ROOT,
+            )
+            output = done.stdout + done.stderr
+            self.assertNotIn("Flags parsing error", output, args)
+            self.assertNotIn("local task pids", output, args)
+            if refusal:
+                self.assertIn(refusal, output, args)
+            else:
+                self.assertEqual(done.returncode, 2, (args, output[-2000:]))
+        with open(_SCRIPT) as f:
+            script = f.read()
+        self.assertIn("--worker_gpus=1", script)
+        self.assertIn("--mixed_precision=mixed_float16", script)
+
+
+if __name__ == "__main__":
+    absltest.main()

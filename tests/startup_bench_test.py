@@ -1,0 +1,131 @@
+"""The harness's startup scenario (time to the first applied update).
+
+The report section from records (no TensorFlow, milliseconds), and one
+smoke run of two systems in fresh processes (slow: about 30 s on 2 cores).
+Nothing here asserts a speed.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from unittest import mock
+
+import pytest
+from absl.testing import absltest
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_BENCHMARKS = os.path.join(_ROOT, "benchmarks")
+_HARNESS = os.path.join(_BENCHMARKS, "harness.py")
+
+
+def _load(name):
+    """benchmarks/<name>.py (and its siblings), by path."""
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(_BENCHMARKS, f"{name}.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    with mock.patch.object(sys, "path", [_BENCHMARKS, *sys.path]):
+        spec.loader.exec_module(module)
+    return module
+
+
+def _record(system, trace, update, workload="w1", **extra):
+    return {
+        "scenario": "startup",
+        "workload": workload,
+        "system": system,
+        "before_schedule_s": 0.0,
+        "trace_s": trace,
+        "register_s": 0.5,
+        "steady_function_s": 0.1,
+        "first_function_s": update + 0.05,
+        "first_update_s": update,
+        **extra,
+    }
+
+
+class StartupSectionTest(absltest.TestCase):
+    def test_medians_and_ratios_to_stock_pss(self):
+        startup = _load("startup")
+        records = [
+            _record("tf2sync_loop", trace, trace + 1.0)
+            for trace in (4.0, 6.0, 5.0)
+        ] + [_record("pss_async", trace, trace + 1.0) for trace in (1.0, 2.0)]
+        found = startup.medians(records)
+        self.assertEqual(found[("w1", "tf2sync_loop")]["trace_s"], 5.0)
+        self.assertEqual(found[("w1", "tf2sync_loop")]["runs"], 3)
+        self.assertEqual(found[("w1", "pss_async")]["trace_s"], 1.5)
+        lines = startup.startup_section(records)
+        ratio_row = next(x for x in lines if "tf2sync_loop / pss_async" in x)
+        cells = [c.strip() for c in ratio_row.strip("|").split("|")]
+        # (a) trace: 5.0 / 1.5; to the first update: 6.0 / 2.5.
+        self.assertEqual(cells[3], f"{5.0 / 1.5:.2f}")
+        self.assertEqual(cells[7], f"{6.0 / 2.5:.2f}")
+
+    def test_errors_are_listed_and_no_records_no_section(self):
+        startup = _load("startup")
+        self.assertEqual(startup.startup_section([]), [])
+        lines = startup.startup_section(
+            [
+                {
+                    "scenario": "startup",
+                    "workload": "w1",
+                    "system": "tf2sync_fit",
+                    "repeat": 0,
+                    "error": "boom",
+                }
+            ]
+        )
+        self.assertTrue(any("boom" in x for x in lines), lines)
+
+    def test_the_report_has_the_section(self):
+        report = _load("report")
+        text = report.render([_record("tf2sync_fit", 3.0, 4.0)], "(no plot)")
+        self.assertIn("## Time to the first update", text)
+
+
+@pytest.mark.slow
+@absltest.skipUnless(sys.platform.startswith("linux"), "reads /proc")
+class StartupSmokeTest(absltest.TestCase):
+    def test_smoke_measures_each_system_in_a_fresh_process(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                _HARNESS,
+                "--smoke",
+                "--scenarios=startup",
+                "--startup_systems=tf2sync_loop,pss_async",
+                f"--output_dir={tmp.name}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+        with open(os.path.join(tmp.name, "benchmarks.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        self.assertEqual([r for r in records if "error" in r], [])
+        runs = [r for r in records if r.get("scenario") == "startup"]
+        self.assertCountEqual(
+            [r["system"] for r in runs], ["tf2sync_loop", "pss_async"]
+        )
+        for r in runs:
+            self.assertGreater(r["trace_s"], 0, r)
+            self.assertGreaterEqual(r["first_function_s"], r["trace_s"], r)
+            self.assertGreater(r["first_update_s"], r["trace_s"], r)
+            self.assertGreaterEqual(r["steps"], 1, r)
+        started = [r for r in records if r.get("event") == "started"]
+        self.assertLen(started, 2)  # one fresh process per measurement
+        done = next(r for r in records if r.get("event") == "processes")
+        self.assertEqual(done["alive"], [])
+        with open(os.path.join(tmp.name, "benchmarks.md")) as f:
+            self.assertIn("## Time to the first update", f.read())
+
+
+if __name__ == "__main__":
+    absltest.main()
