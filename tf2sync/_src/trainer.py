@@ -191,11 +191,7 @@ class Trainer:
 
     def _loop_function(self):
         steps = self.steps_per_loop
-        group = {
-            None: self.options.max_unrolled_steps,
-            True: 1,  # a tf.while_loop of single steps
-            False: steps,  # every step a copy in the graph
-        }[self.use_tf_while_loop]
+        group = self._copies_per_group()
 
         @tf.function
         def loop(iterator):
@@ -210,6 +206,14 @@ class Trainer:
 
         return loop
 
+    def _copies_per_group(self) -> int:
+        """Step copies per `loops.repeat` group, as `use_tf_while_loop` says."""
+        return {
+            None: self.options.max_unrolled_steps,
+            True: 1,  # a tf.while_loop of single steps
+            False: self.steps_per_loop,  # every step a copy in the graph
+        }[self.use_tf_while_loop]
+
     def _pass_loop_function(self):
         """The loop of a `ServicePassPerEpoch` epoch (`data_service`, 3.).
 
@@ -217,9 +221,7 @@ class Trainer:
         Returns `(loss sum, steps run, worker, pass ended)`.
         """
         steps = self.steps_per_loop
-        group = {None: self.options.max_unrolled_steps, True: 1}.get(
-            self.use_tf_while_loop, steps
-        )
+        group = self._copies_per_group()
 
         @tf.function
         def loop(iterator):
