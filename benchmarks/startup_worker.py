@@ -74,11 +74,6 @@ _POLL_S = 0.005
 # stats written to PREFIX.<pid> (for finding what the trace spends; the
 # profiler slows it, so not for the numbers).
 PROFILE_ENV = "TF2SYNC_STARTUP_PROFILE"
-# An experiment, not a system: set to 1 to run tf2sync's per-step graph
-# rewrite (`graph_rewrites.order_only_reads_after`, plain Python over the
-# step's ops) without autograph's conversion, which the trace otherwise
-# applies to it as to any function called in a `tf.function`.
-PLAIN_REWRITES_ENV = "TF2SYNC_STARTUP_PLAIN_REWRITES"
 RESNET_SHAPE = (64, 64, 3)
 RESNET_BATCH = 4
 DIGITS_BATCH = 32  # accuracy.py's
@@ -271,7 +266,6 @@ class _Server:
             "batch": batch,
             "parameters": int(model.count_params()),
             "ready_s": round(self.ready_s, 3),
-            "plain_rewrites": os.environ.get(PLAIN_REWRITES_ENV) == "1",
             **result,
         }
 
@@ -366,21 +360,9 @@ class _Server:
         return result
 
 
-def _plain_rewrites():
-    from tf2sync._src import graph_rewrites
-
-    graph_rewrites.order_only_reads_after = (
-        tf.autograph.experimental.do_not_convert(
-            graph_rewrites.order_only_reads_after
-        )
-    )
-
-
 def main(argv):
     del argv
     tf.get_logger().setLevel("ERROR")
-    if os.environ.get(PLAIN_REWRITES_ENV) == "1":
-        _plain_rewrites()
     resolver = tf2sync.testing.local_cluster(_WORKERS.value, 1)
     server = _Server(resolver, _WORKERS.value)
     server.ready_s = time.perf_counter() - _STARTED

@@ -452,6 +452,55 @@ class BackupWorkerTest(absltest.TestCase):
         )
 
 
+class AutographTest(absltest.TestCase):
+    def test_user_step_is_converted_and_tf2sync_code_is_not(self):
+        # tf2sync's own Python (strategy.run, the push, the graph rewrites)
+        # runs unconverted, as TensorFlow's does; the replica function the
+        # user gives strategy.run is still converted, so a Python `if` on a
+        # tensor works there as under stock PSS.
+        from tensorflow.python.autograph.impl import conversion
+
+        from tf2sync._src import aggregation
+        from tf2sync._src import graph_rewrites
+
+        for fn in (
+            graph_rewrites.order_only_reads_after,
+            aggregation.Aggregator.push,
+            tf2sync.SyncParameterServerStrategy.run,
+        ):
+            self.assertTrue(conversion.is_allowlisted(fn), fn)
+
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = testutil.dense_model()
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+            opt.build(model.trainable_variables)
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        x, y = testutil.data("dense", 8)
+        variables = model.trainable_variables
+
+        def replica(x, y):
+            with tf.GradientTape() as tape:
+                loss = testutil.mean_loss(y, model(x))
+                if tf.reduce_sum(x) > 1e9:  # needs AutoGraph; never true
+                    loss = loss * 0.0
+            grads = tape.gradient(loss, variables)
+            return opt.apply_gradients(zip(grads, variables))
+
+        @tf.function
+        def step(x, y):
+            return strategy.run(replica, args=(x, y))
+
+        for _ in range(2):
+            coordinator.schedule(step, args=(x, y))
+        coordinator.join()
+        expected = _reference(testutil.dense_model, OPTIMIZERS["sgd"], [(x, y)])
+        self.assertEqual(int(opt.iterations.numpy()), 1)
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), expected), 1e-6
+        )
+
+
 class ConfigErrorTest(parameterized.TestCase):
     def test_plain_optimizer_is_refused_before_any_update(self):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)

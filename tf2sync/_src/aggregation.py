@@ -262,22 +262,18 @@ class Aggregator:
 
     # Step side (traced) ---------------------------------------------------
 
-    @graph_rewrites.graph_code
     def acquire(self):
         """The core's order: one token, then the tag (see `TokenBarrier`)."""
         return self.barrier.acquire()
 
-    @graph_rewrites.graph_code
     def take_token(self, after):
         """TF1's order: one token once `after` ran (see `TokenBarrier`)."""
         return self.barrier.take(after)
 
-    @graph_rewrites.graph_code
     def give_back(self, after):
         """Returns one token after `after` (a step that pushed nothing)."""
         return self.barrier.give_back(after)
 
-    @graph_rewrites.graph_code
     def push(
         self,
         tag,

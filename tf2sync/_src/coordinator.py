@@ -189,7 +189,8 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
                 with step_context.WorkerScope(worker):
                     return fn(*a, **k)
 
-            wrapped = tf.function(with_worker)
+            # Nothing here to convert: `fn` converts itself when traced.
+            wrapped = tf.function(with_worker, autograph=False)
             self._wrapped[fn] = wrapped
         args = (self._ids(), *(args or ()))
         if protocol.traces_before_dispatch:

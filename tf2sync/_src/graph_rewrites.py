@@ -18,14 +18,6 @@ import tensorflow as tf
 
 from tf2sync._src import tf_internals
 
-# Functions that build or edit a graph in Python while a step is traced
-# (these, and the aggregator's push and barrier calls): AutoGraph,
-# which converts the step (user code calls tf2sync's `strategy.run`), would
-# otherwise convert them too and run their loops over the step's ops
-# through its operators (a third of a w1 step's trace, see
-# docs/performance.md, "Time to the first update").
-graph_code = tf.autograph.experimental.do_not_convert
-
 
 class PackedReads:
     """One tensor per parameter server carries a step's variable reads.
@@ -198,7 +190,6 @@ class PackedReads:
         return uses
 
 
-@graph_code
 def order_only_reads_after(tag, operations):
     """Orders the step's reads and stateful ops, and only them, after its tag.
 
@@ -230,7 +221,6 @@ _WRITES = frozenset(
 )
 
 
-@graph_code
 def riders(graph, start, device):
     """The step's writes whose values can ride in the push to `device`.
 
@@ -264,7 +254,6 @@ def riders(graph, start, device):
     return found
 
 
-@graph_code
 def among_ancestors(ops, tensors):
     """The ops of `ops` that `tensors` depend on (data or control)."""
     wanted = set(ops)
@@ -283,7 +272,6 @@ def among_ancestors(ops, tensors):
     return found
 
 
-@graph_code
 def captured_device(graph, tensor):
     """The device of the eager tensor that `tensor` captures, or None."""
     while tf.is_symbolic_tensor(tensor):

@@ -279,6 +279,10 @@ class SyncParameterServerStrategy(
         """See base class. Adds the step barrier described above."""
         protocol = self._protocol
         base_run = super().run
+        if tf.inside_function():
+            # Converted iff the caller is, as the base class does: tf2sync's
+            # own code is not converted (see tf_internals, "AutoGraph").
+            fn = tf_internals.convert_as_caller(fn)
         if protocol is None or not tf.inside_function():
             worker = step_context.current_worker()
             if worker is not None:

@@ -24,6 +24,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 import tf_keras
+from tensorflow.python.autograph.core import config as autograph_config
 from tensorflow.python.data.experimental.ops import data_service_ops
 from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import input_lib
@@ -530,6 +531,49 @@ def new_iterator_each_epoch(handler) -> None:
     asks its adapter at every epoch (`enumerate_epochs`) [2.21] [2.15].
     """
     handler._adapter.should_recreate_iterator = lambda: True
+
+
+# AutoGraph [2.21] [2.15: kept] ----------------------------------------------
+# AutoGraph converts every function a converted function calls, except those
+# of modules on its list (tensorflow, tf_keras, numpy, ...). tf2sync's code
+# runs inside the user's traced step (its `strategy.run`, its optimizer's
+# `apply_gradients`), so without a place on that list AutoGraph rewrote
+# tf2sync's Python, and ran its loops over a step's ops through its
+# operators, on every first trace: most of a small model's trace
+# (docs/performance.md, "Time to the first update"). There is no public API
+# to add a module to the list (`tf.autograph.experimental.do_not_convert`
+# marks one function, and turns conversion off for whatever it calls).
+
+
+def skip_autograph_for_tf2sync() -> None:
+    """Puts the `tf2sync` package on AutoGraph's do-not-convert list
+    (`config.CONVERSION_RULES`, read at each call), once.
+
+    As for TensorFlow's own code, a function of tf2sync called from
+    converted code then runs as written, and the user's functions it calls
+    are converted only where tf2sync converts them explicitly
+    (`convert_as_caller`), as `tf.distribute.Strategy.run` does.
+    """
+    rule = autograph_config.DoNotConvert("tf2sync")
+    rules = autograph_config.CONVERSION_RULES
+    if not any(
+        isinstance(r, type(rule)) and r._prefix == "tf2sync" for r in rules
+    ):
+        autograph_config.CONVERSION_RULES = (rule,) + tuple(rules)
+
+
+def convert_as_caller(fn):
+    """`fn`, converted by AutoGraph iff the code calling tf2sync is.
+
+    `tf.__internal__.autograph.tf_convert` with the caller's control
+    status, as `tf.distribute.Strategy.run` converts the replica function
+    it is given (a function of an unconverted module runs as written).
+    """
+    return tf.__internal__.autograph.tf_convert(
+        fn,
+        tf.__internal__.autograph.control_status_ctx(),
+        convert_by_default=False,
+    )
 
 
 # tf_keras training [2.21] [2.15: kept] ---------------------------------------

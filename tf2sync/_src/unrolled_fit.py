@@ -148,7 +148,11 @@ def _scheduler(model, coordinator, sync):
         key = steps if service is None else (steps, "pass", id(service))
         function = functions.get(key)
         if function is None:
-            function = tf.function(_unrolled(model, steps, service))
+            # As tf_keras's, it does not convert `train_step` (tf_keras's
+            # code is not converted, nor tf2sync's: tf_internals).
+            function = tf.function(
+                _unrolled(model, steps, service), autograph=False
+            )
             functions[key] = function
             model.train_tf_function = function  # TensorBoard's graph
         _plan(coordinator, function, handler)
