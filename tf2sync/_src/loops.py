@@ -3,12 +3,19 @@
 A function that runs several steps in a `tf.while_loop` pays for the loop on
 every iteration: the loop's body has ops on the worker and on the ps, and TF
 sends the loop's control from one to the other each time round. Repeating
-the step in the traced graph (a Python loop, unrolled when traced) removes
-those transfers, but traces the step once per copy. `repeat` does both: it
+the step in the graph removes those transfers. `repeat` does both: it
 repeats the step in groups of at most `group` copies, and loops over the
 groups when there are more steps than one group holds. The group size
 callers use when the user does not choose is
 `tf2sync.SyncOptions.max_unrolled_steps`.
+
+The step's Python runs once: it is traced as a function of its own, and
+each copy in the graph is a copy of that function's ops
+(`tf_internals.inline_copy`), the same ops a new trace would make. A call
+of the function instead would run slower (TF calls it at every step rather
+than inlining it: 0.70-0.76 x the examples/s on w1 and w3), and tracing
+the step again per copy costs a step's trace per copy
+(docs/performance.md, "Time to the first update").
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import contextlib
 import threading
 
 import tensorflow as tf
+
+from tf2sync._src import tf_internals
 
 _TRACING = threading.local()
 
@@ -41,7 +50,7 @@ def _copies():
         _TRACING.repeating = previous
 
 
-def repeat(step, steps: int, group: int, carry=None):
+def repeat(step, steps: int, group: int, carry=None, trace_once=True):
     """Runs `carry = step(carry)` `steps` times in the function being traced.
 
     The steps run in order. Up to `group` consecutive steps are copies in
@@ -54,16 +63,51 @@ def repeat(step, steps: int, group: int, carry=None):
       step: `step(carry) -> carry`, tracing one step.
       steps: Steps to run, >= 1.
       group: Most copies of the step per loop iteration, >= 1.
-      carry: The initial carry (tensors, fixed shapes). None: the first
-        group runs before the loop and its result gives the carry (as
-        tf_keras's loop runs its first step before looping).
+      carry: The initial carry (tensors, fixed shapes). None: the step
+        ignores its carry (it is given None each time) and the result is
+        the last step's; the first group runs before the loop, whose carry
+        is that group's result (as tf_keras's loop runs its first step
+        before looping).
+      trace_once: Whether copies copy one trace of the step's graph
+        (see the module docstring) rather than tracing its Python again.
+        The TF1 shim's steps are traced per copy: each copy's ops follow
+        the previous copy's token, which the shim wires while tracing.
 
     Returns:
       The carry after the last step.
     """
     group = max(1, min(group, steps))
-    with _copies() if group > 1 else contextlib.nullcontext():
+    if group == 1:  # the loop's body is traced once anyway
         return _repeat(step, steps, group, carry)
+    with _copies():
+        if trace_once:
+            step = _TracedOnce(step, carry)
+        return _repeat(step, steps, group, carry)
+
+
+class _TracedOnce:
+    """`step`, traced once (now, in the current graph); each call copies
+    the traced graph into the graph being built."""
+
+    def __init__(self, step, carry):
+        self._ignores_carry = carry is None
+        if self._ignores_carry:
+            function = tf.function(lambda: step(None), autograph=False)
+            self._concrete = function.get_concrete_function()
+        else:
+            # AutoGraph is off: a step that needs it (the user's code) is
+            # converted already, by the function that defines it or by
+            # `strategy.run`.
+            function = tf.function(step, autograph=False)
+            self._concrete = function.get_concrete_function(carry)
+        self._copies = 0
+
+    def __call__(self, carry):
+        self._copies += 1
+        args = () if self._ignores_carry else (carry,)
+        return tf_internals.inline_copy(
+            self._concrete, args, f"step_{self._copies}"
+        )
 
 
 def _repeat(step, steps, group, carry):

@@ -39,6 +39,7 @@ from tensorflow.python.distribute.coordinator import (
 )
 from tensorflow.python.eager import context as eager_context
 from tensorflow.python.eager import executor as eager_executor
+from tensorflow.python.framework import importer as graph_importer
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import base as trackable
 from tf_keras.src.engine import base_layer as keras_base_layer
@@ -73,6 +74,83 @@ def op_is_stateful(op) -> bool:
     """Whether `op` is stateful (`_is_stateful`). The public
     `op.op_def.is_stateful` does not cover ops whose type is a function."""
     return bool(op._is_stateful)
+
+
+def inline_copy(concrete, args, name):
+    """Copies the graph of `concrete` into the current graph, once more.
+
+    What tracing `concrete`'s Python again here would build, without
+    running that Python: its ops are imported under the name scope `name`,
+    its arguments (the flat tensors of `args`) and captures fed from this
+    graph (captured through it when they live elsewhere), and its nested
+    functions shared. Returns its structured outputs, with this copy's
+    tensors. Stands in for function inlining, which TF applies only when a
+    function runs (`import_graph_def` without colocation checks, since
+    the arguments' placeholders are not copied, as
+    `importer.import_graph_def_for_function` does; no public API copies a
+    function graph with inputs mapped).
+    """
+    graph = tf.compat.v1.get_default_graph()
+    inner = concrete.graph
+    flat_args = tf.nest.flatten(args, expand_composites=True)
+    placeholders = inner.inputs
+    feeds = {}  # placeholder's ref -> (name, the tensor fed)
+    for placeholder, value in zip(placeholders, flat_args):
+        feeds[placeholder.ref()] = (placeholder.name, value)
+    for placeholder, outer in zip(
+        placeholders[len(flat_args) :], concrete.captured_inputs
+    ):
+        if getattr(outer, "graph", None) is not graph:
+            outer = graph.capture(outer)
+        feeds[placeholder.ref()] = (placeholder.name, outer)
+    graph_def = inner.as_graph_def()
+    fed = {p.op.name for p in placeholders}
+    kept = [node for node in graph_def.node if node.name not in fed]
+    del graph_def.node[:]
+    graph_def.node.extend(kept)
+    outputs = tf.nest.flatten(
+        concrete.structured_outputs, expand_composites=True
+    )
+    wanted = [
+        t.name
+        for t in outputs
+        if isinstance(t, tf.Tensor)
+        and t.graph is inner
+        and t.ref() not in feeds
+    ]
+    # Only what the copied ops use (an unused mapping is refused), data and
+    # control edges alike.
+    used = {
+        i.split(":")[0] if i.endswith(":0") else i
+        for n in kept
+        for i in n.input
+    }
+    input_map = {}
+    for tensor_name, value in feeds.values():
+        op_name = tensor_name.split(":")[0]
+        if tensor_name in used or (
+            tensor_name.endswith(":0") and op_name in used
+        ):
+            input_map[tensor_name] = value
+        if "^" + op_name in used:
+            input_map["^" + op_name] = value
+    copied = graph_importer._import_graph_def_internal(
+        graph_def,
+        input_map=input_map,
+        return_elements=wanted,
+        validate_colocation_constraints=False,
+        name=name,
+    )
+    by_name = dict(zip(wanted, copied))
+    result = []
+    for t in outputs:
+        if isinstance(t, tf.Tensor) and t.graph is inner:
+            fed_value = feeds.get(t.ref())
+            t = fed_value[1] if fed_value else by_name[t.name]
+        result.append(t)
+    return tf.nest.pack_sequence_as(
+        concrete.structured_outputs, result, expand_composites=True
+    )
 
 
 # Distribute / ParameterServerStrategy [2.21] [2.15: kept] --------------------

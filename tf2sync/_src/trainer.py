@@ -201,7 +201,9 @@ class Trainer:
                 )
                 return total + tf.cast(loss, tf.float32)
 
-            total = loops.repeat(step, steps, group, tf.constant(0.0))
+            total = loops.repeat(
+                step, steps, group, tf.constant(0.0), trace_once=not self._shim
+            )
             return total / steps
 
         return loop
@@ -246,7 +248,9 @@ class Trainer:
                 tf.constant(0, tf.int64),
                 tf.constant(False),
             )
-            total, ran, ended = loops.repeat(step, steps, group, start)
+            total, ran, ended = loops.repeat(
+                step, steps, group, start, trace_once=not self._shim
+            )
             worker = step_context.current_worker()
             if worker is None:
                 worker = tf.constant(-1, tf.int64)

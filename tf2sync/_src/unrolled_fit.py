@@ -117,6 +117,10 @@ def _repeating_make_train_function(model, keras_make):
         if coordinator is None:
             return keras_make(force=force)
         sync = _sync_optimizer(model)  # compile makes a new train function
+        if sync is not None and model.built and model.trainable_variables:
+            # Its slots now, eagerly: created by the first trace, they would
+            # make tf.function trace the whole train function again.
+            sync.build(model.trainable_variables)
         schedule = _scheduler(model, coordinator, sync)
         model.train_function = schedule
         return schedule
