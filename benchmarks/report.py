@@ -51,6 +51,13 @@ SHARDING_BARS = (
     ("tf2sync_loop", "pss_async_unrolled", 0.9),
 )
 SHARDED_W3_ABOVE = 1.0
+# Issue 21 (the startup scenario): tf2sync's time to its first applied
+# update at most this x stock PSS's, per workload, fit and custom loop.
+FIRST_UPDATE_AT_MOST = 1.5
+STARTUP_PAIRS = (
+    ("tf2sync_fit", "pss_async_fit"),
+    ("tf2sync_loop", "pss_async"),
+)
 
 
 def machine() -> dict:
@@ -159,7 +166,62 @@ def targets(records) -> list[dict]:
             ".1f",
         )
     )
-    return rows + sharding_targets(records)
+    rows += accuracy_targets(records)
+    return rows + startup_targets(records) + sharding_targets(records)
+
+
+def accuracy_targets(records) -> list[dict]:
+    """Issue 21: tf2sync's `fit` reaches the digits target no later than
+    stock asynchronous PSS's (seconds, medians over the repeats)."""
+    seconds = {}
+    for r in sections.runs(records, "accuracy"):
+        seconds.setdefault(r["system"], []).append(r.get("seconds_to_target"))
+
+    def seconds_of(system):
+        values = seconds.get(system)
+        if not values:
+            return None
+        if any(v is None for v in values):
+            return float("inf")  # a missed run: the median would hide it
+        return median(values)
+
+    ours, theirs = seconds_of("tf2sync_fit"), seconds_of("pss_async_fit")
+    value = None if ours is None or theirs is None else ratio(ours, theirs)
+    return [
+        _row(
+            "digits: seconds to the accuracy target, tf2sync_fit / "
+            "pss_async_fit",
+            value,
+            "<= 1.00",
+            lambda v: v <= 1.0,
+        )
+    ]
+
+
+def startup_targets(records) -> list[dict]:
+    """Issue 21: the first applied update, tf2sync / stock PSS (medians of
+    the startup scenario); none when it did not run."""
+    found = startup.medians(records)
+    rows = []
+    for workload in startup.WORKLOADS:
+        for ours, theirs in STARTUP_PAIRS:
+            a, b = found.get((workload, ours)), found.get((workload, theirs))
+            if a is None and b is None:
+                continue
+            value = (
+                ratio(a["first_update_s"], b["first_update_s"])
+                if a and b
+                else None
+            )
+            rows.append(
+                _row(
+                    f"{workload}: first applied update, {ours} / {theirs}",
+                    value,
+                    f"<= {FIRST_UPDATE_AT_MOST:.2f}",
+                    lambda v: v <= FIRST_UPDATE_AT_MOST,
+                )
+            )
+    return rows
 
 
 def sharding_targets(records) -> list[dict]:

@@ -65,6 +65,49 @@ class StartupSectionTest(absltest.TestCase):
         self.assertEqual(cells[3], f"{5.0 / 1.5:.2f}")
         self.assertEqual(cells[7], f"{6.0 / 2.5:.2f}")
 
+    def test_targets_hold_tf2sync_to_one_and_a_half_times_stock(self):
+        report = _load("report")
+        records = [
+            _record("tf2sync_fit", 1.0, update) for update in (2.0, 2.9, 3.0)
+        ] + [_record("pss_async_fit", 1.0, update) for update in (2.0, 2.0)]
+        records += [
+            _record("tf2sync_loop", 1.0, 4.0),
+            _record("pss_async", 1.0, 2.0),
+        ]
+        rows = {t["target"]: t for t in report.targets(records)}
+        fit = rows["w1: first applied update, tf2sync_fit / pss_async_fit"]
+        self.assertEqual((fit["measured"], fit["result"]), ("1.45", "PASS"))
+        loop = rows["w1: first applied update, tf2sync_loop / pss_async"]
+        self.assertEqual((loop["measured"], loop["result"]), ("2.00", "MISS"))
+        # No startup records: no startup targets.
+        self.assertFalse(
+            any("first applied" in t["target"] for t in report.targets([]))
+        )
+
+    def test_time_to_accuracy_target_counts_a_missed_run(self):
+        report = _load("report")
+
+        def run(system, seconds):
+            return {
+                "scenario": "accuracy",
+                "system": system,
+                "examples_per_sec": 1.0,
+                "seconds_to_target": seconds,
+            }
+
+        name = (
+            "digits: seconds to the accuracy target, tf2sync_fit / "
+            "pss_async_fit"
+        )
+        records = [run("tf2sync_fit", 1.0), run("pss_async_fit", 1.25)]
+        row = {t["target"]: t for t in report.targets(records)}[name]
+        self.assertEqual((row["measured"], row["result"]), ("0.80", "PASS"))
+        records.append(run("tf2sync_fit", None))  # one run missed
+        row = {t["target"]: t for t in report.targets(records)}[name]
+        self.assertEqual(row["result"], "MISS")
+        row = {t["target"]: t for t in report.targets([])}[name]
+        self.assertStartsWith(row["result"], "n/a")
+
     def test_errors_are_listed_and_no_records_no_section(self):
         startup = _load("startup")
         self.assertEqual(startup.startup_section([]), [])
