@@ -45,6 +45,7 @@ class LauncherDeathTest(absltest.TestCase):
     def test_sigkilled_launcher_takes_its_local_tasks_along(self):
         launcher = procutil.start(["--epochs=1000"])
         pids = []
+        forker = None
         try:
             for line in launcher.stdout:
                 match = re.search(r"tf2sync: local task pids=(\[.*\])", line)
@@ -54,14 +55,24 @@ class LauncherDeathTest(absltest.TestCase):
                     break
             self.assertLen(pids, 3)
             self.assertTrue(all(procutil.running(p) for p in pids))
+            # The tasks are forks (no interpreter started with task flags)
+            # of one forker, the launcher's child (processes.TaskForker).
+            forkers = {procutil.parent(p) for p in pids}
+            self.assertLen(forkers, 1)
+            forker = forkers.pop()
+            self.assertEqual(procutil.parent(forker), launcher.pid)
+            for pid in pids:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    self.assertNotIn(b"--job_name", f.read())
             launcher.send_signal(signal.SIGKILL)  # no handler runs
             launcher.wait(timeout=30)
-            # Every task exits by itself: PR_SET_PDEATHSIG (Linux), or
-            # each task's parent watch (0.5 s polls) within a few seconds.
-            seconds = procutil.wait_gone(pids, 10.0)
+            # Every task exits by itself, the forker too: PR_SET_PDEATHSIG
+            # (Linux), or each task's parent watch (0.5 s polls) within a
+            # few seconds.
+            seconds = procutil.wait_gone([*pids, forker], 10.0)
         finally:
             procutil.kill(launcher)
-            procutil.kill_pids(pids)
+            procutil.kill_pids(pids + ([forker] if forker else []))
         print(f"local tasks gone {seconds:.2f} s after the launcher's SIGKILL")
 
     def test_a_task_whose_parent_dies_exits_by_the_parent_watch(self):

@@ -81,6 +81,12 @@ def running(pid):
         return alive(pid)
 
 
+def parent(pid):
+    """The parent PID of `pid` (Linux: /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def wait_gone(pids, seconds):
     """Waits until no PID in `pids` runs; returns the seconds it took.
 

@@ -611,6 +611,28 @@ def _serve(spec, job, index):
     del tf_data_worker
 
 
+def _forks_local_tasks() -> bool:
+    """Whether the local mode will start its tasks as forks (no GPUs
+    planned: see `processes.LocalProcessCluster`)."""
+    if _JOB_NAME.value is not None or _NUM_GPUS.value is not None:
+        return False
+    try:
+        return _cluster_source() == "local"
+    except app.UsageError:
+        return False  # said again, in its place, by `_main`
+
+
+def _serve_forked(spec, job, index, args):
+    """A local task forked from the launcher (`processes.LocalProcessCluster`)
+    : its flags `args` on top of the launcher's, then `_serve`."""
+    from tf2sync._src import processes
+
+    processes.exit_with_parent()
+    if args:
+        flags.FLAGS(["tf2sync", *args], known_only=True)
+    _serve(spec, job, index)
+
+
 def _place_devices(job):
     """ps: CPU only. worker: its first --num_gpus GPUs (all by default)."""
     import tensorflow as tf
@@ -699,9 +721,15 @@ def train(resolver, job):
         del dispatcher
 
 
+_FORKER = []  # the local mode's processes.TaskForker, made in `main`
+
+
 def main(argv):
     from tf2sync._src import processes
 
+    if _forks_local_tasks():
+        # Before any thread or TensorFlow op: see processes.TaskForker.
+        _FORKER.append(processes.TaskForker(_serve_forked))
     # First of all: a local task ends with its launcher, and SIGINT /
     # SIGTERM end this process (one line, exit 130 / 143), whatever
     # disposition it inherited. `_serve` makes them exit 0 in a task.
@@ -792,6 +820,7 @@ def _main():
         log_dir=log_dir,
         num_gpus=_NUM_GPUS.value,
         worker_args=_service_worker_args(workers),
+        forker=_FORKER[0] if _FORKER else None,
     )
     try:  # a signal meanwhile stops the cluster: processes.exit_on_signals
         resolver = cluster.start(timeout=_CONNECT_TIMEOUT.value)
