@@ -10,9 +10,11 @@
 #      (benchmarks/harness.py --worker_gpus=1, 3 repeats).
 #
 # Writes OUT_DIR/gpu_check.md, a Markdown table (one row per part: exit
-# code, seconds, what it printed), and prints it. On a machine without a
-# GPU it says that it skipped the GPU parts, still writes the table (each
-# row "skipped: no GPU") and exits 0, so CI runs it too.
+# code, seconds, what it printed), and prints it. Exits 1 if a part failed
+# (or ran past its limit: 120 + 120 + 210 s, 7.5 min in all), 2 if the
+# interpreter cannot import TensorFlow. On a machine without a GPU it says
+# that it skipped the GPU parts, still writes the table (each row
+# "skipped: no GPU") and exits 0, so CI runs it too.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]     # default: /tmp/gpu_check
 #
@@ -28,10 +30,16 @@ fi
 TABLE="$OUT_DIR/gpu_check.md"
 export TF_USE_LEGACY_KERAS=1
 
-gpus=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c \
+# A broken interpreter is not "no GPU": it stops the check.
+if ! gpus=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c \
   'import tensorflow as tf; print(len(tf.config.list_physical_devices("GPU")))' \
-  2>/dev/null | tail -1)
+  2>"$OUT_DIR/detect.log"); then
+  echo "gpu_check: $PY cannot import TensorFlow (see $OUT_DIR/detect.log)." >&2
+  exit 2
+fi
+gpus=$(printf '%s\n' "$gpus" | tail -1)
 case "$gpus" in '' | *[!0-9]*) gpus=0 ;; esac
+FAILED=0
 device="no GPU"
 if [ "$gpus" -gt 0 ]; then
   device=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader \
@@ -67,6 +75,7 @@ run_part() {
   end=$(date +%s)
   result=$(grep -Eo "$pattern" "$log" | tail -1)
   if [ "$code" -ne 0 ]; then
+    FAILED=1
     result="FAILED: $(grep -v '^\s*$' "$log" | tail -1 | cut -c1-120)"
   fi
   row "$part" "$*" "$code" "$((end - start))" "${result:-see $log}"
@@ -76,15 +85,23 @@ if [ "$gpus" -eq 0 ]; then
   echo "gpu_check: no GPU visible to TensorFlow: skipped the GPU parts."
 fi
 RESULT='accuracy=[0-9.]+ sync_steps_applied=[0-9]+ stale_gradients_dropped=[0-9]+'
-run_part main_job_gpu 150 "$RESULT" \
+run_part main_job_gpu 120 "$RESULT" \
   "$PY" -m tf2sync --num_gpus=1 --epochs=3
-run_part main_job_mixed_float16 150 "$RESULT" \
+run_part main_job_mixed_float16 120 "$RESULT" \
   "$PY" -m tf2sync --num_gpus=1 --epochs=3 --mixed_precision=mixed_float16
-run_part w2_gpu_workers 240 'tf2sync_fit[^|]*\|[^|]*\|[^|]*' \
+# Its result: each system's median examples/s, from the harness's report
+# (the log has JSON records, not the table).
+run_part w2_gpu_workers 210 'no line of the log' \
   env TF2SYNC_BENCH_GPUS="$gpus" "$PY" benchmarks/harness.py --scenarios=main --workloads=w2 \
   --systems=tf2sync_fit,tf2sync_loop,pss_async,mwms --repeats=3 \
   --worker_gpus=1 --output_dir="$OUT_DIR/w2"
 if [ "$gpus" -gt 0 ] && [ -f "$OUT_DIR/w2/benchmarks.md" ]; then
+  rates=$(grep -E '^\| `(tf2sync_fit|tf2sync_loop|pss_async|mwms)` \| [0-9,]+ \|' \
+    "$OUT_DIR/w2/benchmarks.md" | head -4 |
+    awk -F'|' '{gsub(/[ `]/, "", $2); gsub(/ /, "", $3); printf "%s%s %s ex/s", sep, $2, $3; sep="; "}')
+  if [ -n "$rates" ]; then # the row's result cell: the medians
+    sed -i "s#^\(| w2_gpu_workers | .* | 0 | [0-9]* | \)see [^|]* |\$#\1$rates |#" "$TABLE"
+  fi
   {
     echo
     echo "## w2 with GPU workers (harness report)"
@@ -94,3 +111,7 @@ if [ "$gpus" -gt 0 ] && [ -f "$OUT_DIR/w2/benchmarks.md" ]; then
 fi
 cat "$TABLE"
 echo "gpu_check: table in $TABLE"
+if [ "$FAILED" -ne 0 ]; then
+  echo "gpu_check: a part failed (see its row)." >&2
+  exit 1
+fi

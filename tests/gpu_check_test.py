@@ -21,18 +21,23 @@ def _has_gpu():
     return bool(tf.config.list_physical_devices("GPU"))
 
 
+def _check(out_dir, python):
+    """Runs the script with PYTHON=`python`; its CompletedProcess."""
+    return subprocess.run(
+        ["bash", _SCRIPT, out_dir],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(procutil.ENV, PYTHON=python),
+    )
+
+
 class GpuCheckTest(absltest.TestCase):
     def test_without_a_gpu_it_skips_and_writes_its_table(self):
         if _has_gpu():
             self.skipTest("a GPU is here: the script would run its parts")
         out_dir = tempfile.mkdtemp()
-        done = subprocess.run(
-            ["bash", _SCRIPT, out_dir],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=dict(procutil.ENV, PYTHON=sys.executable),
-        )
+        done = _check(out_dir, sys.executable)
         self.assertEqual(done.returncode, 0, done.stderr[-2000:])
         self.assertIn("skipped the GPU parts", done.stdout)
         with open(os.path.join(out_dir, "gpu_check.md")) as f:
@@ -46,6 +51,14 @@ class GpuCheckTest(absltest.TestCase):
             table,
         )
         self.assertTrue(all(r[2] == "skipped: no GPU" for r in rows), table)
+
+    def test_an_interpreter_without_tensorflow_is_not_no_gpu(self):
+        # A broken PYTHON stops the check (exit 2) rather than reading as
+        # a machine without a GPU and passing.
+        done = _check(tempfile.mkdtemp(), "/bin/false")
+        self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
+        self.assertIn("cannot import TensorFlow", done.stderr)
+        self.assertNotIn("skipped the GPU parts", done.stdout)
 
     def test_the_gpu_parts_command_lines_parse(self):
         # Each part's flags, then one the program refuses after parsing
