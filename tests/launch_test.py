@@ -41,7 +41,15 @@ class LaunchTest(parameterized.TestCase):
         self.assertEqual(int(stale), 0)
 
     def test_main_job_local_cluster_ends_every_process(self):
-        out = _launch(["--epochs=2", "--steps_per_epoch=20"])
+        logs = tempfile.mkdtemp()
+        out = _launch(
+            [
+                "--epochs=2",
+                "--steps_per_epoch=20",
+                "--verbosity=0",  # the tasks log their start (INFO)
+                f"--task_log_dir={logs}",
+            ]
+        )
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         self._check_result(out, 2, 20)
         self.assertIn("10 per function (unrolled)", out.stdout)
@@ -49,6 +57,11 @@ class LaunchTest(parameterized.TestCase):
         self.assertLen(pids, 3)
         for pid in pids:
             self.assertFalse(_alive(pid), f"task {pid} left behind")
+        # A task's lines go to its log, not the launcher's console (the
+        # tasks are forks of it: see processes.TaskForker).
+        self.assertNotIn("Serving ps:0", out.stdout + out.stderr)
+        with open(os.path.join(logs, "ps0.log")) as f:
+            self.assertIn("Serving ps:0", f.read())
 
     def test_service_input_sharding_local_mode(self):
         # tf.data service: a dispatcher in the launcher, a tf.data worker in

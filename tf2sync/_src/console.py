@@ -73,10 +73,10 @@ def native_logs_to(path: str) -> None:
         encoding=getattr(old, "encoding", None) or "utf-8",
         errors="backslashreplace",
     )
-    _repoint_handlers(old, sys.stderr)
+    repoint_handlers(old, sys.stderr)
 
 
-def _repoint_handlers(old, new) -> None:
+def repoint_handlers(old, new) -> None:
     """Logging handlers already made on `old` (absl's) now write to `new`."""
     import logging
 

@@ -630,6 +630,8 @@ def _serve_forked(spec, job, index, args):
     processes.exit_with_parent()
     if args:
         flags.FLAGS(["tf2sync", *args], known_only=True)
+    if not flags.FLAGS["verbosity"].present:  # as `main` sets a task's
+        logging.set_verbosity(logging.WARNING)
     _serve(spec, job, index)
 
 

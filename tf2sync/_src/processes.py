@@ -332,6 +332,16 @@ def _run_task(serve, request, env, log, preexec):
         )
         for fd in (1, 2):
             os.dup2(out, fd)
+        os.close(out)
+        # The launcher's Python streams (and absl's handler) may write to
+        # its console's descriptor (see `console`): the task's go to its log.
+        old = sys.stderr
+        sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+        sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+        console_lib.repoint_handlers(old, sys.stderr)
+        if console_lib.console_fd() > 2:
+            with contextlib.suppress(OSError):
+                os.close(console_lib.console_fd())
         os.environ.clear()
         os.environ.update(env)
         os.environ[PARENT_ENV] = str(os.getppid())
