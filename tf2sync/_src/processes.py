@@ -273,6 +273,15 @@ class TaskForker:
             os.close(self._replies)
             if preexec is not None:
                 preexec()
+            # It prints nothing: hold none of the launcher's output (a
+            # caller reading it to its end must not wait for the forker).
+            quiet = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(quiet, fd)
+            os.close(quiet)
+            if console_lib.console_fd() > 2:
+                with contextlib.suppress(OSError):
+                    os.close(console_lib.console_fd())
             signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # reap tasks
             for sig in _EXIT_CODES:
                 signal.signal(sig, signal.SIG_DFL)
