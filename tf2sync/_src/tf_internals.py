@@ -88,7 +88,8 @@ def inline_copy(concrete, args, name):
     function runs (`import_graph_def` without colocation checks, since
     the arguments' placeholders are not copied, as
     `importer.import_graph_def_for_function` does; no public API copies a
-    function graph with inputs mapped).
+    function graph with inputs mapped). [2.21] [2.15]: `fit_test` runs it
+    on both.
     """
     graph = tf.compat.v1.get_default_graph()
     inner = concrete.graph
@@ -611,7 +612,7 @@ def new_iterator_each_epoch(handler) -> None:
     handler._adapter.should_recreate_iterator = lambda: True
 
 
-# AutoGraph [2.21] [2.15: kept] ----------------------------------------------
+# AutoGraph [2.21] [2.15] ---------------------------------------------------
 # AutoGraph converts every function a converted function calls, except those
 # of modules on its list (tensorflow, tf_keras, numpy, ...). tf2sync's code
 # runs inside the user's traced step (its `strategy.run`, its optimizer's
