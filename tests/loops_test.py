@@ -90,6 +90,46 @@ class RepeatTest(parameterized.TestCase):
         self.assertEqual(float(total), 30.0)  # 5 steps of 6
         self.assertTrue(bool(same))
 
+    def test_seeded_random_ops_draw_anew_in_each_copy(self):
+        # Under a global seed each trace of a random op gets a seed of its
+        # own; copies of one trace would repeat one draw, so such a step is
+        # traced per copy.
+        tf.random.set_seed(1)
+        traced = []
+
+        def step(carry):
+            traced.append(1)
+            draws, i = carry
+            draw = tf.random.uniform([])
+            return tf.tensor_scatter_nd_update(draws, [[i]], [draw]), i + 1
+
+        @tf.function
+        def run():
+            return loops.repeat(step, 4, 4, (tf.zeros([4]), tf.constant(0)))
+
+        draws, _ = run()
+        self.assertLen(set(draws.numpy().tolist()), 4)
+        self.assertLen(traced, 1 + 4)  # the trace checked, then each copy
+
+    def test_a_call_time_capture_is_traced_per_copy(self):
+        # PSS's per-worker resources are captured at call time; a copy
+        # would resolve them once, where it is made.
+        traced = []
+
+        def step(carry):
+            traced.append(1)
+            value = tf.compat.v1.get_default_graph().capture_call_time_value(
+                lambda: tf.constant(2.0), tf.TensorSpec([], tf.float32)
+            )
+            return carry + value
+
+        @tf.function
+        def run():
+            return loops.repeat(step, 3, 3, tf.constant(0.0))
+
+        self.assertEqual(float(run()), 6.0)
+        self.assertLen(traced, 1 + 3)
+
 
 if __name__ == "__main__":
     absltest.main()

@@ -115,6 +115,27 @@ class TrainerTest(parameterized.TestCase):
         self.assertEqual(history.history["sync_steps"], [4, 8])
         self.assertLess(history.history["loss"][1], history.history["loss"][0])
 
+    def test_a_loss_function_needing_autograph_is_converted(self):
+        # Trainer's own train_step is tf2sync code, which AutoGraph skips;
+        # the user's loss function is still converted, as before.
+        def loss_fn(y, logits):
+            loss = testutil.mean_loss(y, logits)
+            if loss > 1e9:  # a tensor in a Python `if`; never true here
+                loss = loss * 0.0
+            return loss
+
+        strategy, model, optimizer = _parts()
+        trainer = tf2sync.Trainer(
+            strategy=strategy,
+            model=model,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            steps_per_loop=2,
+            verbose=0,
+        )
+        history = trainer.train(_dataset_fn, epochs=1, steps_per_epoch=4)
+        self.assertEqual(history.history["sync_steps"], [2])
+
     def test_resume_is_exact(self):
         strategy, model, optimizer = _parts()
         _trainer((strategy, model, optimizer), 2).train(

@@ -167,6 +167,18 @@ def setup_launcher(argv) -> str | None:
     return log_dir
 
 
+def close_console_fd() -> None:
+    """Closes the console's copy (a forked task's, which has its own log);
+    `console_fd()` is 2 again."""
+    fd = _state["console_fd"]
+    if fd > 2:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _state["console_fd"] = 2
+
+
 def console_fd() -> int:
     """The descriptor of the console's stderr: 2, or its copy once moved."""
     return _state["console_fd"]

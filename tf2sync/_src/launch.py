@@ -612,9 +612,15 @@ def _serve(spec, job, index):
 
 
 def _forks_local_tasks() -> bool:
-    """Whether the local mode will start its tasks as forks (no GPUs
-    planned: see `processes.LocalProcessCluster`)."""
+    """Whether the local mode will start its tasks as forks: no GPUs
+    planned (see `processes.LocalProcessCluster`) nor found, and TensorFlow
+    has run nothing yet (a job module may at import: see
+    `processes.TaskForker`)."""
     if _JOB_NAME.value is not None or _NUM_GPUS.value is not None:
+        return False
+    from tf2sync._src import tf_internals
+
+    if tf_internals.runtime_started():  # a job module ran TF, or a GPU
         return False
     try:
         return _cluster_source() == "local"

@@ -71,7 +71,10 @@ def repeat(step, steps: int, group: int, carry=None, trace_once=True):
       trace_once: Whether copies copy one trace of the step's graph
         (see the module docstring) rather than tracing its Python again.
         The TF1 shim's steps are traced per copy: each copy's ops follow
-        the previous copy's token, which the shim wires while tracing.
+        the previous copy's token, which the shim wires while tracing. A
+        step whose graph copies would differ from new traces
+        (`tf_internals.copies_like_traces`: per-worker resources, seeded
+        random ops) is traced per copy too.
 
     Returns:
       The carry after the last step.
@@ -81,7 +84,9 @@ def repeat(step, steps: int, group: int, carry=None, trace_once=True):
         return _repeat(step, steps, group, carry)
     with _copies():
         if trace_once:
-            step = _TracedOnce(step, carry)
+            once = _TracedOnce(step, carry)
+            if once.copies_like_traces:
+                step = once
         return _repeat(step, steps, group, carry)
 
 
@@ -91,16 +96,20 @@ class _TracedOnce:
 
     def __init__(self, step, carry):
         self._ignores_carry = carry is None
+        # Traced with AutoGraph as the enclosing function is (a function
+        # traced without it would turn it off for the step's callees).
+        step = tf_internals.convert_as_caller(step)
         if self._ignores_carry:
             function = tf.function(lambda: step(None), autograph=False)
             self._concrete = function.get_concrete_function()
         else:
-            # AutoGraph is off: a step that needs it (the user's code) is
-            # converted already, by the function that defines it or by
-            # `strategy.run`.
             function = tf.function(step, autograph=False)
             self._concrete = function.get_concrete_function(carry)
         self._copies = 0
+        # Else each copy traces the step again (see `tf_internals`).
+        self.copies_like_traces = tf_internals.copies_like_traces(
+            self._concrete
+        )
 
     def __call__(self, carry):
         self._copies += 1

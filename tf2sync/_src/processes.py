@@ -252,7 +252,9 @@ class TaskForker:
 
     `serve(spec, job, index, args)` runs a task in the fork and does not
     return; create the forker from the main thread before any other thread
-    starts, and before any TensorFlow op runs.
+    starts, and before any TensorFlow op runs or a GPU is found (the
+    launcher checks `tf_internals.runtime_started()` and otherwise starts
+    new interpreters).
     """
 
     def __init__(self, serve):
@@ -279,12 +281,13 @@ class TaskForker:
             for fd in (0, 1, 2):
                 os.dup2(quiet, fd)
             os.close(quiet)
-            if console_lib.console_fd() > 2:
-                with contextlib.suppress(OSError):
-                    os.close(console_lib.console_fd())
+            console_lib.close_console_fd()
             signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # reap tasks
-            for sig in _EXIT_CODES:
-                signal.signal(sig, signal.SIG_DFL)
+            # A Ctrl-C reaches the launcher's process group: the forker
+            # stays to reap the tasks the launcher then stops (a task
+            # re-parented to a launcher that is PID 1 would stay a zombie).
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             _serve_requests(serve, requests, replies, preexec)
             code = 0
         finally:
@@ -297,7 +300,28 @@ class TaskForker:
         data = pickle.dumps((request, dict(env), log))
         os.write(self._requests, len(data).to_bytes(8, "big") + data)
         pid = int.from_bytes(_read_exactly(self._replies, 8), "big")
-        return _Forked(pid)
+        return _Forked(pid, self.pid)
+
+
+def _alive(pid, reaper) -> bool:
+    """Whether `pid` runs. A zombie whose parent is `reaper` (the forker)
+    is still ending: the forker reaps it. One re-parented elsewhere (to a
+    launcher that is PID 1 and reaps nothing) has ended."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0] != "Z" or int(fields[1]) == reaper
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _read_exactly(fd, size):
@@ -320,16 +344,19 @@ def _serve_requests(serve, requests, replies, preexec):
             request, env, log = pickle.loads(_read_exactly(requests, size))
         except EOFError:
             return  # the launcher is gone, or done
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
             os.close(requests)
             os.close(replies)
-            _run_task(serve, request, env, log, preexec)
+            _run_task(serve, request, env, log, preexec, parent)
         os.write(replies, pid.to_bytes(8, "big"))
 
 
-def _run_task(serve, request, env, log, preexec):
-    """A forked task: its session, log, environment, then `serve`."""
+def _run_task(serve, request, env, log, preexec, parent):
+    """A forked task: its session, log, environment, then `serve`.
+
+    `parent`: the forker's PID, read before the fork."""
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -348,12 +375,12 @@ def _run_task(serve, request, env, log, preexec):
         sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
         console_lib.repoint_handlers(old, sys.stderr)
-        if console_lib.console_fd() > 2:
-            with contextlib.suppress(OSError):
-                os.close(console_lib.console_fd())
+        console_lib.close_console_fd()
+        if os.getppid() != parent:  # the forker died before PDEATHSIG was set
+            return
         os.environ.clear()
         os.environ.update(env)
-        os.environ[PARENT_ENV] = str(os.getppid())
+        os.environ[PARENT_ENV] = str(parent)
         serve(*request)
         code = 0
     except SystemExit as exit_:
@@ -377,18 +404,14 @@ class _Forked:
     while its PID exists.
     """
 
-    def __init__(self, pid):
+    def __init__(self, pid, reaper):
         self.pid = pid
+        self._reaper = reaper  # the forker
         self.returncode = None
 
     def poll(self):
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                self.returncode = 0  # its code went to the forker
-            except PermissionError:
-                pass
+        if self.returncode is None and not _alive(self.pid, self._reaper):
+            self.returncode = 0  # its code went to the forker
         return self.returncode
 
     def wait(self, timeout=None):

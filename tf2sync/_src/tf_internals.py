@@ -76,6 +76,28 @@ def op_is_stateful(op) -> bool:
     return bool(op._is_stateful)
 
 
+def copies_like_traces(concrete) -> bool:
+    """Whether `inline_copy` of `concrete` makes what tracing it again
+    would. Not when its graph has call-time captures (PSS's per-worker
+    resources: a lookup table made under the scope, a per-worker
+    variable, the worker index), which a copy would resolve once, on the
+    coordinator; nor when an op of it, or of a function it calls, has a
+    nonzero random seed (under a global seed each new trace of a random
+    op gets a seed of its own, and copies would draw the same numbers).
+    """
+    if concrete.graph.deferred_external_captures:
+        return False
+    graph_def = concrete.graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    for node in nodes:
+        for attr in ("seed", "seed2"):
+            if attr in node.attr and node.attr[attr].i:
+                return False
+    return True
+
+
 def inline_copy(concrete, args, name):
     """Copies the graph of `concrete` into the current graph, once more.
 
@@ -610,6 +632,23 @@ def new_iterator_each_epoch(handler) -> None:
     asks its adapter at every epoch (`enumerate_epochs`) [2.21] [2.15].
     """
     handler._adapter.should_recreate_iterator = lambda: True
+
+
+# Process start [2.21] [2.15: kept] -------------------------------------------
+# Whether a fork of this process would share TensorFlow runtime state (see
+# `processes.TaskForker`). The eager context has no public "initialised"
+# flag. TF lists the physical devices at absl's app start
+# (`distribute.combinations` registers a callback), before any launcher
+# code: a CPU listing is harmless to a fork, a GPU one has started CUDA.
+
+
+def runtime_started() -> bool:
+    """Whether this process made its eager context or found a GPU."""
+    ctx = eager_context.context()
+    devices = getattr(ctx, "_physical_devices", None) or []
+    return ctx._context_handle is not None or any(
+        d.device_type == "GPU" for d in devices
+    )
 
 
 # AutoGraph [2.21] [2.15] ---------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import inspect
 import numbers
 import sys
 import time
@@ -171,8 +172,9 @@ class Trainer:
     def train_step(self, batch):
         """One replica step: returns the loss. Runs inside `strategy.run`."""
         x, y = batch
+        loss_fn = _converted(self.loss_fn)
         with tf.GradientTape() as tape:
-            loss = self.loss_fn(y, self.model(x, training=True))
+            loss = loss_fn(y, self.model(x, training=True))
         variables = self.model.trainable_variables
         grads = tape.gradient(loss, variables)
         if self._shim:
@@ -519,3 +521,20 @@ def _resolved_verbose(verbose):
     if verbose == "auto":
         return 1 if sys.stdout.isatty() else 2
     return verbose
+
+
+def _converted(fn):
+    """`fn` converted by AutoGraph if it is a plain function.
+
+    AutoGraph skips tf2sync's code (see tf_internals), and the step's
+    AutoGraph status can be off by here (the coordinator's wrapper is
+    traced without it), so the user's loss function is converted
+    explicitly, as it was when AutoGraph converted Trainer's step; a
+    callable object (a Keras `Loss`) converts its own `call`.
+    """
+    if not inspect.isfunction(fn):
+        return fn
+    try:
+        return tf.autograph.to_graph(fn)
+    except Exception:  # noqa: BLE001 - source not available: as written
+        return fn

@@ -269,7 +269,14 @@ def _unrolled(model, steps, service=None):
             return tf.cond(element.has_value(), run_element, skip)
 
         options = options_lib.of_strategy(model.distribute_strategy)
-        outputs = loops.repeat(step, steps, options.max_unrolled_steps)
+        # The TF1 shim orders its copies while tracing them (loops.repeat).
+        protocol = getattr(model.distribute_strategy, "_protocol", None)
+        outputs = loops.repeat(
+            step,
+            steps,
+            options.max_unrolled_steps,
+            trace_once=not getattr(protocol, "traces_before_dispatch", False),
+        )
         # As tf_keras, the steps count once they succeeded; one write to
         # the ps per function rather than per step (the counter is read
         # from the coordinator, between functions).
