@@ -21,6 +21,7 @@ the lines TensorFlow writes while it loads then still reach the console.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -172,10 +173,8 @@ def close_console_fd() -> None:
     `console_fd()` is 2 again."""
     fd = _state["console_fd"]
     if fd > 2:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     _state["console_fd"] = 2
 
 

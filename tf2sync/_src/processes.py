@@ -313,15 +313,14 @@ def _alive(pid, reaper) -> bool:
         return fields[0] != "Z" or int(fields[1]) == reaper
     except FileNotFoundError:
         return False
-    except (OSError, IndexError, ValueError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+    except (OSError, IndexError, ValueError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _read_exactly(fd, size):
@@ -375,7 +374,6 @@ def _run_task(serve, request, env, log, preexec, parent):
         sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
         console_lib.repoint_handlers(old, sys.stderr)
-        console_lib.close_console_fd()
         if os.getppid() != parent:  # the forker died before PDEATHSIG was set
             return
         os.environ.clear()
