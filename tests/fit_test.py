@@ -62,6 +62,9 @@ class FitTest(parameterized.TestCase):
         # Groups of 3 copies: the first group, a tf.while_loop over 2, then
         # 1 step unrolled.
         ("spe10_odd_steps_grouped", 10, 41, True, 3),
+        # An epoch of 10 + 10 + 6 steps: the last function copies the
+        # first one's trace of the step (loops.StepTraces).
+        ("spe10_last_function_of_6", 10, 26),
     )
     def test_fit_matches_full_batch_reference(
         self, spe, steps_per_epoch, unroll=None, group=None
@@ -155,6 +158,30 @@ class FitTest(parameterized.TestCase):
             self.assertFalse(ops & {"While", "StatelessWhile"}, ops)
         self.assertEqual(int(model._train_counter.numpy()), 10)
         self.assertEqual(int(model.optimizer.iterations.numpy()), 5)
+
+    def test_an_epochs_last_function_copies_the_steps_first_trace(self):
+        model = _compiled(steps_per_execution=5)
+        keras_step = model.train_step
+        traced = []
+
+        def train_step(data):
+            traced.append(data[0].shape[0])
+            return keras_step(data)
+
+        model.train_step = train_step
+        x, y = testutil.data("dense", 32)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=2, steps_per_epoch=13, verbose=0)
+        # Functions of 5 and 3 steps, the step's Python traced once.
+        self.assertEqual(sorted(model.train_function.functions), [3, 5])
+        self.assertEqual(traced, [32])
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 13)
+        # Batches of another shape: a trace of their own, which the
+        # functions of both lengths copy.
+        half = tf.data.Dataset.from_tensors((x[:16], y[:16])).repeat()
+        model.fit(half, epochs=1, steps_per_epoch=13, verbose=0)
+        self.assertEqual(traced, [32, 16])
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 19)
 
     def test_fit_repeats_its_steps_by_default_and_can_be_told_not_to(self):
         model = _compiled(steps_per_execution=5)

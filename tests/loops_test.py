@@ -6,6 +6,7 @@ from absl.testing import parameterized
 
 import tf2sync  # noqa: F401 - sets TF_USE_LEGACY_KERAS, as users import it
 from tf2sync._src import loops
+from tf2sync._src import step_context
 
 
 class RepeatTest(parameterized.TestCase):
@@ -129,6 +130,89 @@ class RepeatTest(parameterized.TestCase):
 
         self.assertEqual(float(run()), 6.0)
         self.assertLen(traced, 1 + 3)
+
+
+class StepTracesTest(absltest.TestCase):
+    def test_functions_sharing_traces_trace_the_step_once(self):
+        v = tf.Variable(0.0)
+        traces = loops.StepTraces()
+        traced = []
+
+        def step(carry, x):
+            traced.append(x.shape.as_list())
+            v.assign(v * 2.0 + tf.reduce_sum(x))
+            return carry + 1
+
+        def function_of(steps):
+            @tf.function
+            def run(x):
+                return loops.repeat(
+                    step, steps, 10, tf.constant(0), inputs=(x,), traces=traces
+                )
+
+            return run
+
+        long, short = function_of(4), function_of(3)
+        self.assertEqual(int(long(tf.ones([2]))), 4)
+        self.assertEqual(int(short(tf.ones([2]))), 3)
+        self.assertEqual(traced, [[2]])
+        expected = 0.0
+        for _ in range(7):
+            expected = expected * 2.0 + 2.0
+        self.assertEqual(float(v.numpy()), expected)
+        # An input of another shape: a trace of its own.
+        self.assertEqual(int(short(tf.ones([3]))), 3)
+        self.assertEqual(traced, [[2], [3]])
+
+    def test_a_trace_capturing_a_tensor_of_its_function_stays_there(self):
+        traces = loops.StepTraces()
+        traced = []
+
+        def function_of(scale):
+            @tf.function
+            def run():
+                outer = tf.constant(scale)  # of this function's graph
+
+                def step(carry):
+                    traced.append(1)
+                    return carry + outer
+
+                return loops.repeat(step, 2, 2, tf.constant(0.0), traces=traces)
+
+            return run
+
+        self.assertEqual(float(function_of(1.0)()), 2.0)
+        self.assertEqual(float(function_of(5.0)()), 10.0)
+        self.assertLen(traced, 2)
+
+    def test_each_function_copies_the_trace_with_its_own_worker(self):
+        # The coordinator gives each scheduled function its worker index
+        # (step_context): an argument of the shared trace, not a capture.
+        traces = loops.StepTraces()
+        traced = []
+
+        def step(carry):
+            traced.append(1)
+            return carry + step_context.current_worker()
+
+        def function_of(steps):
+            @tf.function
+            def run(worker):
+                with step_context.WorkerScope(worker):
+                    return loops.repeat(
+                        step,
+                        steps,
+                        steps,
+                        tf.constant(0, tf.int64),
+                        traces=traces,
+                    )
+
+            return run
+
+        long, short = function_of(3), function_of(2)
+        self.assertEqual(int(long(tf.constant(5, tf.int64))), 15)
+        self.assertEqual(int(short(tf.constant(7, tf.int64))), 14)
+        self.assertLen(traced, 1)
 
 
 if __name__ == "__main__":

@@ -115,65 +115,89 @@ def inline_copy(concrete, args, name):
     """
     graph = tf.compat.v1.get_default_graph()
     inner = concrete.graph
+    recipe = _copy_recipe(concrete)
     flat_args = tf.nest.flatten(args, expand_composites=True)
-    placeholders = inner.inputs
-    feeds = {}  # placeholder's ref -> (name, the tensor fed)
-    for placeholder, value in zip(placeholders, flat_args):
-        feeds[placeholder.ref()] = (placeholder.name, value)
+    values = {}  # placeholder's name -> the tensor fed
+    for placeholder, value in zip(inner.inputs, flat_args):
+        if tf.is_symbolic_tensor(value) and value.graph is not graph:
+            value = graph.capture(value)  # of an enclosing function
+        values[placeholder.name] = value
     for placeholder, outer in zip(
-        placeholders[len(flat_args) :], concrete.captured_inputs
+        inner.inputs[len(flat_args) :], concrete.captured_inputs
     ):
         if getattr(outer, "graph", None) is not graph:
             outer = graph.capture(outer)
-        feeds[placeholder.ref()] = (placeholder.name, outer)
-    graph_def = inner.as_graph_def()
-    fed = {p.op.name for p in placeholders}
-    kept = [node for node in graph_def.node if node.name not in fed]
-    del graph_def.node[:]
-    graph_def.node.extend(kept)
-    outputs = tf.nest.flatten(
-        concrete.structured_outputs, expand_composites=True
-    )
-    wanted = [
-        t.name
-        for t in outputs
-        if isinstance(t, tf.Tensor)
-        and t.graph is inner
-        and t.ref() not in feeds
-    ]
-    # Only what the copied ops use (an unused mapping is refused), data and
-    # control edges alike.
-    used = {
-        i.split(":")[0] if i.endswith(":0") else i
-        for n in kept
-        for i in n.input
+        values[placeholder.name] = outer
+    input_map = {
+        key: values[placeholder] for key, placeholder in recipe.input_map
     }
-    input_map = {}
-    for tensor_name, value in feeds.values():
-        op_name = tensor_name.split(":")[0]
-        if tensor_name in used or (
-            tensor_name.endswith(":0") and op_name in used
-        ):
-            input_map[tensor_name] = value
-        if "^" + op_name in used:
-            input_map["^" + op_name] = value
     copied = graph_importer._import_graph_def_internal(
-        graph_def,
+        recipe.graph_def,
         input_map=input_map,
-        return_elements=wanted,
+        return_elements=recipe.wanted,
         validate_colocation_constraints=False,
         name=name,
     )
-    by_name = dict(zip(wanted, copied))
+    by_name = dict(zip(recipe.wanted, copied))
     result = []
-    for t in outputs:
+    for t in recipe.outputs:
         if isinstance(t, tf.Tensor) and t.graph is inner:
-            fed_value = feeds.get(t.ref())
-            t = fed_value[1] if fed_value else by_name[t.name]
+            t = values[t.name] if t.name in values else by_name[t.name]
         result.append(t)
     return tf.nest.pack_sequence_as(
         concrete.structured_outputs, result, expand_composites=True
     )
+
+
+class _CopyRecipe:
+    """What every `inline_copy` of one function's graph needs: its ops
+    without the placeholders fed, the outputs to return, and which fed
+    placeholder each used input (data or control) maps to."""
+
+    def __init__(self, concrete):
+        inner = concrete.graph
+        placeholders = {p.name for p in inner.inputs}
+        fed = {name.split(":")[0] for name in placeholders}
+        graph_def = inner.as_graph_def()
+        kept = [node for node in graph_def.node if node.name not in fed]
+        del graph_def.node[:]
+        graph_def.node.extend(kept)
+        self.graph_def = graph_def
+        self.outputs = tf.nest.flatten(
+            concrete.structured_outputs, expand_composites=True
+        )
+        self.wanted = [
+            t.name
+            for t in self.outputs
+            if isinstance(t, tf.Tensor)
+            and t.graph is inner
+            and t.name not in placeholders
+        ]
+        # Only what the copied ops use (an unused mapping is refused), data
+        # and control edges alike.
+        used = {
+            i.split(":")[0] if i.endswith(":0") else i
+            for n in kept
+            for i in n.input
+        }
+        self.input_map = []  # (input_map key, placeholder's tensor name)
+        for tensor_name in sorted(placeholders):
+            op_name = tensor_name.split(":")[0]
+            if tensor_name in used or (
+                tensor_name.endswith(":0") and op_name in used
+            ):
+                self.input_map.append((tensor_name, tensor_name))
+            if "^" + op_name in used:
+                self.input_map.append(("^" + op_name, tensor_name))
+
+
+def _copy_recipe(concrete) -> _CopyRecipe:
+    """`concrete`'s `_CopyRecipe`, made at its first copy."""
+    recipe = getattr(concrete, "_tf2sync_copy_recipe", None)
+    if recipe is None:
+        recipe = _CopyRecipe(concrete)
+        concrete._tf2sync_copy_recipe = recipe
+    return recipe
 
 
 # Distribute / ParameterServerStrategy [2.21] [2.15: kept] --------------------

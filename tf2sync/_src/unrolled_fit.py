@@ -142,6 +142,9 @@ def _scheduler(model, coordinator, sync):
       holds the traced functions by steps.
     """
     functions = {}
+    # One trace of the step for the functions of one kind (fit traces a
+    # second function for an epoch's last steps).
+    traces = {}
 
     def schedule(iterator):
         handler = tf_internals.running_fit_data_handler(model)
@@ -154,8 +157,11 @@ def _scheduler(model, coordinator, sync):
         if function is None:
             # As tf_keras's, it does not convert `train_step` (tf_keras's
             # code is not converted, nor tf2sync's: tf_internals).
+            shared = traces.setdefault(
+                None if service is None else id(service), loops.StepTraces()
+            )
             function = tf.function(
-                _unrolled(model, steps, service), autograph=False
+                _unrolled(model, steps, service, shared), autograph=False
             )
             functions[key] = function
             model.train_tf_function = function  # TensorBoard's graph
@@ -221,13 +227,15 @@ def steps_per_execution_on_coordinator(model, handler) -> None:
         tf_internals.set_data_handler_steps_per_execution(handler, here)
 
 
-def _unrolled(model, steps, service=None):
+def _unrolled(model, steps, service=None, traces=None):
     """tf_keras's multi-step train function, its loop unrolled.
 
-    With `service` (a `ServicePassPerEpoch`), a step runs only if its
-    worker's iterator gives an element, and otherwise marks its pass ended
-    and returns zeros of the step's outputs (`data_service`, 3.; `fit`
-    takes an epoch's logs from the metrics after the join).
+    `traces` (a `loops.StepTraces`) holds the step's trace for every
+    function of the model's `fit` that shares it. With `service` (a
+    `ServicePassPerEpoch`), a step runs only if its worker's iterator
+    gives an element, and otherwise marks its pass ended and returns zeros
+    of the step's outputs (`data_service`, 3.; `fit` takes an epoch's logs
+    from the metrics after the join).
     """
 
     def run_step(data):
@@ -250,7 +258,7 @@ def _unrolled(model, steps, service=None):
                 model.distribute_reduction_method,
             )
 
-        def step(_):
+        def step(_, iterator):
             if service is None:
                 return run(next(iterator))
             element = iterator.get_next_as_optional()
@@ -276,6 +284,8 @@ def _unrolled(model, steps, service=None):
             steps,
             options.max_unrolled_steps,
             trace_once=not getattr(protocol, "traces_before_dispatch", False),
+            inputs=(iterator,),
+            traces=traces,
         )
         # As tf_keras, the steps count once they succeeded; one write to
         # the ps per function rather than per step (the counter is read
