@@ -62,9 +62,12 @@ class FitTest(parameterized.TestCase):
         # Groups of 3 copies: the first group, a tf.while_loop over 2, then
         # 1 step unrolled.
         ("spe10_odd_steps_grouped", 10, 41, True, 3),
-        # An epoch of 10 + 10 + 6 steps: the last function copies the
-        # first one's trace of the step (loops.StepTraces).
-        ("spe10_last_function_of_6", 10, 26),
+        # An epoch of 10 + 10 + 6 steps: the last 6 split over the 2
+        # workers (3 + 3), their function copying the first one's trace of
+        # the step (loops.StepTraces).
+        ("spe10_last_6_steps_split", 10, 26),
+        # Epochs shorter than steps_per_execution: 3 + 3 each.
+        ("spe10_epochs_of_6_split", 10, 6),
     )
     def test_fit_matches_full_batch_reference(
         self, spe, steps_per_epoch, unroll=None, group=None
@@ -142,8 +145,15 @@ class FitTest(parameterized.TestCase):
                 ops = _ops(model.train_tf_function)
                 self.assertIn("While", ops)
         else:
-            function = model.train_function.functions[spe]
-            self.assertEqual("While" in _ops(function), bool(group))
+            functions = model.train_function.functions
+            if steps_per_epoch >= spe:
+                self.assertEqual("While" in _ops(functions[spe]), bool(group))
+            # The steps of an epoch's last call (fewer than spe) run split
+            # over both workers, in halves (rounded up).
+            rest = steps_per_epoch % spe
+            if rest > 1:
+                self.assertIn(-(-rest // 2), functions)
+                self.assertNotIn(rest, functions)
 
     def test_unrolled_fit_repeats_the_step_instead_of_looping(self):
         model = _compiled(steps_per_execution=5)
@@ -172,8 +182,9 @@ class FitTest(parameterized.TestCase):
         x, y = testutil.data("dense", 32)
         ds = tf.data.Dataset.from_tensors((x, y)).repeat()
         model.fit(ds, epochs=2, steps_per_epoch=13, verbose=0)
-        # Functions of 5 and 3 steps, the step's Python traced once.
-        self.assertEqual(sorted(model.train_function.functions), [3, 5])
+        # Functions of 5 steps, and of 2 and 1 (an epoch's last 3 steps,
+        # split over the workers), the step's Python traced once.
+        self.assertEqual(sorted(model.train_function.functions), [1, 2, 5])
         self.assertEqual(traced, [32])
         self.assertEqual(int(model.optimizer.iterations.numpy()), 13)
         # Batches of another shape: a trace of their own, which the

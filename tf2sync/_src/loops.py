@@ -99,7 +99,10 @@ def repeat(
     """
     group = max(1, min(group, steps))
     inputs = tuple(inputs)
-    if group == 1:  # the loop's body is traced once anyway
+    shared = trace_once and traces is not None
+    # A loop's body is traced once anyway; a lone step copies a shared
+    # trace.
+    if group == 1 and (steps > 1 or not shared):
         return _repeat(lambda value: step(value, *inputs), steps, group, carry)
     with _copies():
         run = lambda value: step(value, *inputs)  # noqa: E731

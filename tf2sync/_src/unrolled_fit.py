@@ -143,36 +143,77 @@ def _scheduler(model, coordinator, sync):
     """
     functions = {}
     # One trace of the step for the functions of one kind (fit traces a
-    # second function for an epoch's last steps).
+    # function for an epoch's last steps too).
     traces = {}
 
-    def schedule(iterator):
-        handler = tf_internals.running_fit_data_handler(model)
+    def function_of(steps, service):
         # One function per value, as fit's data handler counts them.
-        steps = _steps_of_call(model, handler)
-        service = data_service.pass_of(handler)
         # One function per pass object: its steps mark that one's passes.
         key = steps if service is None else (steps, "pass", id(service))
         function = functions.get(key)
         if function is None:
-            # As tf_keras's, it does not convert `train_step` (tf_keras's
-            # code is not converted, nor tf2sync's: tf_internals).
             shared = traces.setdefault(
                 None if service is None else id(service), loops.StepTraces()
             )
+            # As tf_keras's, it does not convert `train_step` (tf_keras's
+            # code is not converted, nor tf2sync's: tf_internals).
             function = tf.function(
                 _unrolled(model, steps, service, shared), autograph=False
             )
             functions[key] = function
             model.train_tf_function = function  # TensorBoard's graph
-        _plan(coordinator, function, handler)
-        logs = coordinator.schedule(function, args=(iterator,))
+        return function
+
+    def schedule(iterator):
+        handler = tf_internals.running_fit_data_handler(model)
+        steps = _steps_of_call(model, handler)
+        service = data_service.pass_of(handler)
+        pieces = [steps]
+        if service is None and not _traces_before_dispatch(model):
+            pieces = _pieces(steps, handler, coordinator)
+        for i, piece in enumerate(pieces):
+            function = function_of(piece, service)
+            if i == 0:
+                _plan(coordinator, function, handler)
+            elif hasattr(coordinator, "in_plan") and coordinator.in_plan(
+                handler
+            ):
+                coordinator.planned(function)
+            logs = coordinator.schedule(function, args=(iterator,))
         if not getattr(model, "_tf2sync_epoch_end_warm", False):
             _warm_epoch_end(model)
         return logs if sync is None else _WithSyncTotals(logs, sync)
 
     schedule.functions = functions  # by steps (not tracked by Keras)
     return schedule
+
+
+def _pieces(steps, handler, coordinator) -> list:
+    """The steps of the functions that run a call of `steps`.
+
+    A call of fewer steps than `steps_per_execution` (an epoch's last) is
+    split over the workers: its steps run side by side rather than on one
+    worker while the others wait for the epoch's end, and each worker sets
+    up a function of a few copies at once instead of one of all of them,
+    the first on one worker and later on each of the others. E.g. 6 steps
+    on 2 workers: 3 + 3; 7: 4 + 3. The same steps run, each once.
+    """
+    full = getattr(handler, "_tf2sync_steps_per_execution", None)
+    workers = len(tf_internals.coordinator_workers(coordinator))
+    if full is None or steps >= full or steps < 2 or workers < 2:
+        return [steps]
+    size = -(-steps // min(workers, steps))
+    pieces = [size] * (steps // size)
+    if steps % size:
+        pieces.append(steps % size)
+    return pieces
+
+
+def _traces_before_dispatch(model) -> bool:
+    """Whether the strategy's protocol is the TF1 shim's (its copies are
+    ordered while traced: loops.repeat)."""
+    protocol = getattr(model.distribute_strategy, "_protocol", None)
+    return bool(getattr(protocol, "traces_before_dispatch", False))
 
 
 def is_unrolled(model) -> bool:
@@ -212,11 +253,15 @@ def steps_per_execution_on_coordinator(model, handler) -> None:
     nothing moves.
     """
     variable = tf_internals.steps_per_execution_variable(model)
-    if (
-        variable is None
-        or getattr(model, "autotune_steps_per_execution", False)
-        or "/job:ps" not in (getattr(variable, "device", "") or "")
+    if variable is None or getattr(
+        model, "autotune_steps_per_execution", False
     ):
+        return
+    # The value fit's calls have, but for an epoch's last (see `_pieces`):
+    # the data handler sets the variable to fewer steps for that call.
+    if handler is not None:
+        handler._tf2sync_steps_per_execution = int(variable.numpy())
+    if "/job:ps" not in (getattr(variable, "device", "") or ""):
         return
     here = tf_internals.plain_resource_variable(  # outside the strategy
         variable.numpy(), name="spe", dtype=tf.int64
@@ -277,13 +322,11 @@ def _unrolled(model, steps, service=None, traces=None):
             return tf.cond(element.has_value(), run_element, skip)
 
         options = options_lib.of_strategy(model.distribute_strategy)
-        # The TF1 shim orders its copies while tracing them (loops.repeat).
-        protocol = getattr(model.distribute_strategy, "_protocol", None)
         outputs = loops.repeat(
             step,
             steps,
             options.max_unrolled_steps,
-            trace_once=not getattr(protocol, "traces_before_dispatch", False),
+            trace_once=not _traces_before_dispatch(model),
             inputs=(iterator,),
             traces=traces,
         )
