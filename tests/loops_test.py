@@ -58,6 +58,23 @@ class RepeatTest(parameterized.TestCase):
         self.assertEqual(int(result["tag"]), 7)
         self.assertLen(traced, 1)
 
+    def test_copies_share_the_first_copys_constants(self):
+        def step(carry):
+            return carry * tf.constant(2.0) + tf.constant(1.0)
+
+        @tf.function
+        def run():
+            return loops.repeat(step, 4, 4, tf.constant(0.0))
+
+        self.assertEqual(float(run()), 15.0)  # 0 -> 1 -> 3 -> 7 -> 15
+        graph = run.get_concrete_function().graph
+        constants = [
+            op.name
+            for op in graph.get_operations()
+            if op.type == "Const" and op.name.startswith("step_")
+        ]
+        self.assertLen(constants, 2, constants)  # the first copy's
+
     def test_per_copy_tracing_when_asked(self):
         traced = []
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -131,14 +132,27 @@ def inline_copy(concrete, args, name):
     input_map = {
         key: values[placeholder] for key, placeholder in recipe.input_map
     }
+    shared = recipe.constants.get(graph)
+    if shared is None:  # the first copy here: its constants serve the rest
+        elements = recipe.wanted + recipe.constant_tensors
+        graph_def = recipe.graph_def
+    else:
+        elements = [t for t in recipe.wanted if t not in shared]
+        graph_def = recipe.without_constants
+        for key, tensor_name in recipe.constant_inputs:
+            input_map[key] = shared[tensor_name]
     copied = graph_importer._import_graph_def_internal(
-        recipe.graph_def,
+        graph_def,
         input_map=input_map,
-        return_elements=recipe.wanted,
+        return_elements=elements,
         validate_colocation_constraints=False,
         name=name,
     )
-    by_name = dict(zip(recipe.wanted, copied))
+    by_name = dict(zip(elements, copied))
+    if shared is None:
+        shared = {t: by_name[t] for t in recipe.constant_tensors}
+        recipe.constants[graph] = shared
+    by_name.update(shared)
     result = []
     for t in recipe.outputs:
         if isinstance(t, tf.Tensor) and t.graph is inner:
@@ -189,6 +203,27 @@ class _CopyRecipe:
                 self.input_map.append((tensor_name, tensor_name))
             if "^" + op_name in used:
                 self.input_map.append(("^" + op_name, tensor_name))
+        # Constants (without control inputs) are imported with the first
+        # copy in a graph only; later copies use those: a smaller graph for
+        # the workers to set up (about a third of a step's ops are Const).
+        constants = {
+            n.name
+            for n in kept
+            if n.op == "Const" and not any(i.startswith("^") for i in n.input)
+        }
+        self.constant_tensors = sorted(c + ":0" for c in constants)
+        self.without_constants = tf.compat.v1.GraphDef()
+        self.without_constants.CopyFrom(graph_def)
+        del self.without_constants.node[:]
+        rest = [n for n in kept if n.name not in constants]
+        self.without_constants.node.extend(rest)
+        inputs = {i for n in rest for i in n.input}
+        self.constant_inputs = []  # (input_map key, constant's tensor)
+        for c in sorted(constants):
+            for key in (c, c + ":0", "^" + c):
+                if key in inputs:
+                    self.constant_inputs.append((key, c + ":0"))
+        self.constants = weakref.WeakKeyDictionary()  # graph -> copied
 
 
 def _copy_recipe(concrete) -> _CopyRecipe:
