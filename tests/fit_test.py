@@ -10,6 +10,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import tf2sync
+from tf2sync._src import coordinator as sync_coordinator
 from tf2sync._src import unrolled_fit
 
 
@@ -66,6 +67,8 @@ class FitTest(parameterized.TestCase):
         # workers (3 + 3), their function copying the first one's trace of
         # the step (loops.StepTraces).
         ("spe10_last_6_steps_split", 10, 26),
+        # 10 + 10 + 7: the last 7 as 4 + 3, two functions, both planned.
+        ("spe10_last_7_steps_split_unevenly", 10, 27),
         # Epochs shorter than steps_per_execution: 3 + 3 each.
         ("spe10_epochs_of_6_split", 10, 6),
     )
@@ -123,6 +126,11 @@ class FitTest(parameterized.TestCase):
         # tf_keras counts a step once it succeeded (once per function when
         # fit repeats its steps).
         self.assertEqual(int(model._train_counter.numpy()), pushes)
+        if unroll is not False:
+            # Every function fit scheduled (split pieces included) was
+            # planned: the cap still holds at the run's updates.
+            aggregator = sync_coordinator.core_aggregator(strategy)
+            self.assertEqual(int(aggregator.step_limit.numpy()), updates)
         if unroll is False:
             # The sync counters reach the logs as the last push read them.
             self.assertGreater(history.history["sync_steps"][-1], 0)

@@ -382,7 +382,8 @@ class Aggregator:
         `loops.repeat` (Trainer's and fit's default) every push is one
         function called, not inlined, so the ps holds it once per worker;
         elsewhere, from the second push traced into one graph on. A lone
-        push stays inline: in a `tf.while_loop` of single steps the call
+        push stays inline (unless it is a copy of a shared trace, see
+        `loops.repeating`): in a `tf.while_loop` of single steps the call
         costs CPU per step that inlining does not, while among repeated
         copies the two cost the same. A push whose accumulators or
         hooks live on another device stays inline too (the call would be a

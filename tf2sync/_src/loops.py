@@ -17,8 +17,9 @@ than inlining it: 0.70-0.76 x the examples/s on w1 and w3), and tracing
 the step again per copy costs a step's trace per copy
 (docs/performance.md, "Time to the first update"). Functions that repeat
 the same step (`fit`'s, when an epoch's steps are not a multiple of
-`steps_per_execution`: one function of K steps, one of the rest) can share
-that trace through a `StepTraces`.
+`steps_per_execution`: one function of K steps, and the pieces of the
+rest, split over the workers) can share that trace through a
+`StepTraces`.
 """
 
 from __future__ import annotations
@@ -35,11 +36,14 @@ _TRACING = threading.local()
 
 
 def repeating() -> bool:
-    """Whether the step being traced is one of several copies in a graph.
+    """Whether the step being traced is a copy of one trace in a graph.
 
-    True inside `repeat` with at least 2 copies per group. The aggregator
-    then makes every push a call of one ps function, so that the ps
-    instantiates it once per worker rather than once per copy.
+    True inside `repeat` with at least 2 copies per group, or with a lone
+    step that copies a trace shared with another function (`StepTraces`).
+    The aggregator then makes every push a call of one ps function, so
+    that the ps instantiates it once per worker rather than once per copy
+    (a lone copy calls the function the shared trace's first function
+    set up).
     """
     return getattr(_TRACING, "repeating", False)
 
@@ -88,9 +92,9 @@ def repeat(
         step whose graph copies would differ from new traces
         (`tf_internals.copies_like_traces`: per-worker resources, seeded
         random ops) is traced per copy too.
-      inputs: Values of the function being traced that every step takes
-        (an iterator): passed, not closed over, a trace can serve another
-        function.
+      inputs: Tensors or composite tensors (an iterator) of the function
+        being traced that every step takes: passed, not closed over, a
+        trace can serve another function.
       traces: Optional `StepTraces` of the functions repeating this same
         step: a trace one of them made is copied rather than made again.
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -104,9 +103,13 @@ def inline_copy(concrete, args, name):
 
     What tracing `concrete`'s Python again here would build, without
     running that Python: its ops are imported under the name scope `name`,
-    its arguments (the flat tensors of `args`) and captures fed from this
-    graph (captured through it when they live elsewhere), and its nested
-    functions shared. Returns its structured outputs, with this copy's
+    its arguments (the flat tensors of `args`: tensors and composite
+    tensors only) and captures fed from this graph (captured through it
+    when they live elsewhere), and its nested functions shared. Its
+    constants are the first copy's in this graph (see `_CopyRecipe`), so
+    copies into one graph must not be made under different
+    `tf.control_dependencies` contexts (the shared constants keep the
+    first copy's). Returns its structured outputs, with this copy's
     tensors. Stands in for function inlining, which TF applies only when a
     function runs (`import_graph_def` without colocation checks, since
     the arguments' placeholders are not copied, as
@@ -219,11 +222,13 @@ class _CopyRecipe:
         self.without_constants.node.extend(rest)
         inputs = {i for n in rest for i in n.input}
         self.constant_inputs = []  # (input_map key, constant's tensor)
+        # Graph -> its copies' constants. Kept as long as this trace (the
+        # functions that hold the trace hold those graphs too).
+        self.constants = {}
         for c in sorted(constants):
             for key in (c, c + ":0", "^" + c):
                 if key in inputs:
                     self.constant_inputs.append((key, c + ":0"))
-        self.constants = weakref.WeakKeyDictionary()  # graph -> copied
 
 
 def _copy_recipe(concrete) -> _CopyRecipe:

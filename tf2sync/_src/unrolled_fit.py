@@ -191,12 +191,14 @@ def _scheduler(model, coordinator, sync):
 def _pieces(steps, handler, coordinator) -> list:
     """The steps of the functions that run a call of `steps`.
 
-    A call of fewer steps than `steps_per_execution` (an epoch's last) is
-    split over the workers: its steps run side by side rather than on one
-    worker while the others wait for the epoch's end, and each worker sets
-    up a function of a few copies at once instead of one of all of them,
-    the first on one worker and later on each of the others. E.g. 6 steps
-    on 2 workers: 3 + 3; 7: 4 + 3. The same steps run, each once.
+    A call of fewer steps than `steps_per_execution` (an epoch's last; or
+    every call, when an epoch is shorter than `steps_per_execution`, which
+    tf_keras then lowers for the whole `fit`) is split over the workers:
+    its steps run side by side rather than on one worker while the others
+    wait for the epoch's end, and each worker sets up a function of a few
+    copies at once instead of one of all of them, the first on one worker
+    and later on each of the others. E.g. 6 steps on 2 workers: 3 + 3; 7:
+    4 + 3. The same steps run, each once.
     """
     full = getattr(handler, "_tf2sync_steps_per_execution", None)
     workers = len(tf_internals.coordinator_workers(coordinator))
