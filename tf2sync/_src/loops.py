@@ -104,12 +104,12 @@ def repeat(
     group = max(1, min(group, steps))
     inputs = tuple(inputs)
     shared = trace_once and traces is not None
+    run = lambda value: step(value, *inputs)  # noqa: E731
     # A loop's body is traced once anyway; a lone step copies a shared
     # trace.
     if group == 1 and (steps > 1 or not shared):
-        return _repeat(lambda value: step(value, *inputs), steps, group, carry)
+        return _repeat(run, steps, group, carry)
     with _copies():
-        run = lambda value: step(value, *inputs)  # noqa: E731
         if trace_once:
             traces = traces if traces is not None else StepTraces()
             once = traces.trace(step, carry, inputs)
@@ -157,24 +157,19 @@ class _TracedOnce:
         # traced without it would turn it off for the step's callees).
         step = tf_internals.convert_as_caller(step)
 
-        def traced(*args):
-            if self._worker:
-                worker, *args = args
-                with step_context.WorkerScope(worker):
-                    return traced_step(*args)
-            return traced_step(*args)
-
-        def traced_step(*args):
+        def traced(*args):  # the arguments of `_arguments`
+            worker = args[0] if self._worker else None
+            args = args[1:] if self._worker else args
             if self._ignores_carry:
-                return step(None, *args)
-            return step(*args)
+                args = (None, *args)
+            with step_context.WorkerScope(worker):
+                return step(*args)
 
+        arguments = self._arguments(carry, inputs)
         function = tf.function(traced, autograph=False)
-        self._concrete = function.get_concrete_function(
-            *self._arguments(carry, inputs)
-        )
+        self._concrete = function.get_concrete_function(*arguments)
         self._graph = tf.compat.v1.get_default_graph()
-        self._signature = _flat_signature(self._arguments(carry, inputs))
+        self._signature = _flat_signature(arguments)
         self._captures_graph_tensors = any(
             tf.is_symbolic_tensor(t) for t in self._concrete.captured_inputs
         )

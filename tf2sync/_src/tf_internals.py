@@ -87,7 +87,7 @@ def copies_like_traces(concrete) -> bool:
     """
     if concrete.graph.deferred_external_captures:
         return False
-    graph_def = concrete.graph.as_graph_def()
+    graph_def = _copy_recipe(concrete).graph_def  # what copies would import
     nodes = list(graph_def.node)
     for function in graph_def.library.function:
         nodes.extend(function.node_def)
@@ -222,13 +222,13 @@ class _CopyRecipe:
         self.without_constants.node.extend(rest)
         inputs = {i for n in rest for i in n.input}
         self.constant_inputs = []  # (input_map key, constant's tensor)
-        # Graph -> its copies' constants. Kept as long as this trace (the
-        # functions that hold the trace hold those graphs too).
-        self.constants = {}
         for c in sorted(constants):
             for key in (c, c + ":0", "^" + c):
                 if key in inputs:
                     self.constant_inputs.append((key, c + ":0"))
+        # Graph -> its copies' constants. Kept as long as this trace (the
+        # functions that hold the trace hold those graphs too).
+        self.constants = {}
 
 
 def _copy_recipe(concrete) -> _CopyRecipe:

@@ -171,14 +171,9 @@ def _scheduler(model, coordinator, sync):
         pieces = [steps]
         if service is None and not _traces_before_dispatch(model):
             pieces = _pieces(steps, handler, coordinator)
-        for i, piece in enumerate(pieces):
-            function = function_of(piece, service)
-            if i == 0:
-                _plan(coordinator, function, handler)
-            elif hasattr(coordinator, "in_plan") and coordinator.in_plan(
-                handler
-            ):
-                coordinator.planned(function)
+        functions_of_call = [function_of(piece, service) for piece in pieces]
+        _plan(coordinator, functions_of_call, handler)
+        for function in functions_of_call:
             logs = coordinator.schedule(function, args=(iterator,))
         if not getattr(model, "_tf2sync_epoch_end_warm", False):
             _warm_epoch_end(model)
@@ -366,12 +361,14 @@ def _warm_epoch_end(model):
         pass
 
 
-def _plan(coordinator, function, handler):
+def _plan(coordinator, functions, handler):
     """Caps the run's updates at what its epochs planned
-    (`SyncCoordinator.plan_epoch`), at each epoch's first function: a
-    function re-run after a worker fault then adds no update. A call whose
-    epoch has no known length, or that resumes inside an epoch, lifts the
-    cap instead (nothing to plan from)."""
+    (`SyncCoordinator.plan_epoch`), at each epoch's first call: a function
+    re-run after a worker fault then adds no update. `functions` are the
+    call's (more than one when it is split over the workers: `_pieces`),
+    all under the cap. A call whose epoch has no known length, or that
+    resumes inside an epoch, lifts the cap instead (nothing to plan
+    from)."""
     if not hasattr(coordinator, "plan_epoch"):
         return
     if data_service.pass_of(handler) is not None:
@@ -382,11 +379,12 @@ def _plan(coordinator, function, handler):
     position = tf_internals.fit_epoch_position(handler)
     if handler is not None and position is not None and position[1]:
         if position[0] == 0:
-            coordinator.plan_epoch(function, position[1], handler)
-            return
+            coordinator.plan_epoch(functions[0], position[1], handler)
         if coordinator.in_plan(handler):
-            coordinator.planned(function)
+            for function in functions:
+                coordinator.planned(function)
             return
+    # Also after plan_epoch without a SyncOptimizer: nothing was planned.
     coordinator.lift_plan()
 
 
