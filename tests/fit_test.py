@@ -40,6 +40,12 @@ def _compiled(learning_rate=0.05, **compile_kwargs):
     return model
 
 
+def _steps_by_function(model):
+    """{id(function): steps} of the functions fit's train function made."""
+    functions = getattr(model.train_function, "functions", {})
+    return {id(f): steps for steps, f in functions.items()}
+
+
 def _ops(function):
     """Op types of every trace of a `tf.function`."""
     return {
@@ -201,6 +207,47 @@ class FitTest(parameterized.TestCase):
         model.fit(half, epochs=1, steps_per_epoch=13, verbose=0)
         self.assertEqual(traced, [32, 16])
         self.assertEqual(int(model.optimizer.iterations.numpy()), 19)
+
+    def test_fits_first_call_runs_single_steps(self):
+        # The workers first set up a function of one step copy; the
+        # function of all the copies serves the calls after it.
+        model = _compiled(steps_per_execution=5)
+        x, y = testutil.data("dense", 32)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        coordinator_class = sync_coordinator.SyncCoordinator
+        scheduled = []
+        schedule = coordinator_class.schedule
+
+        def recording(coordinator, fn, args=None, kwargs=None):
+            scheduled.append(_steps_by_function(model).get(id(fn)))
+            return schedule(coordinator, fn, args=args, kwargs=kwargs)
+
+        with mock.patch.object(coordinator_class, "schedule", recording):
+            model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
+            self.assertEqual(scheduled, [1] * 5 + [5])
+            self.assertEqual(int(model.optimizer.iterations.numpy()), 5)
+            self.assertEqual(int(model._train_counter.numpy()), 10)
+            # A later fit finds its functions built: no single steps.
+            del scheduled[:]
+            model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
+            self.assertEqual(scheduled, [5, 5])
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 10)
+        # Past one group of copies (a tf.while_loop runs the groups), the
+        # first call is not split: it would take as many functions.
+        grouped = testutil.strategy(
+            2,
+            replicas_to_aggregate=2,
+            options=tf2sync.SyncOptions(max_unrolled_steps=2),
+        )
+        with grouped.scope():
+            model = testutil.dense_model()
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.05)),
+                loss=testutil.LOSS,
+                steps_per_execution=4,
+            )
+        model.fit(ds, epochs=1, steps_per_epoch=8, verbose=0)
+        self.assertEqual(sorted(model.train_function.functions), [4])
 
     def test_fit_repeats_its_steps_by_default_and_can_be_told_not_to(self):
         model = _compiled(steps_per_execution=5)

@@ -170,7 +170,14 @@ def _scheduler(model, coordinator, sync):
         service = data_service.pass_of(handler)
         pieces = [steps]
         if service is None and not _traces_before_dispatch(model):
-            pieces = _pieces(steps, handler, coordinator)
+            options = options_lib.of_strategy(model.distribute_strategy)
+            pieces = _pieces(
+                steps,
+                handler,
+                coordinator,
+                first=not functions,
+                group=options.max_unrolled_steps,
+            )
         functions_of_call = [function_of(piece, service) for piece in pieces]
         _plan(coordinator, functions_of_call, handler)
         for function in functions_of_call:
@@ -183,8 +190,17 @@ def _scheduler(model, coordinator, sync):
     return schedule
 
 
-def _pieces(steps, handler, coordinator) -> list:
+def _pieces(steps, handler, coordinator, first=False, group=None) -> list:
     """The steps of the functions that run a call of `steps`.
+
+    The first call of a `fit` (`first`: no function traced yet) runs as
+    single-step functions when its steps are all copies in one graph (at
+    most `group`, `SyncOptions.max_unrolled_steps`): the workers set up a
+    function of one copy of the step, not of `steps`, so the first update
+    comes that much sooner, and the next call's function (all the copies)
+    is traced while they run those steps. Its set-up then comes at the
+    next call, in place of this one's: the first epoch ends about when it
+    did (docs/performance.md, "Time to the first update").
 
     A call of fewer steps than `steps_per_execution` (an epoch's last; or
     every call, when an epoch is shorter than `steps_per_execution`, which
@@ -195,6 +211,8 @@ def _pieces(steps, handler, coordinator) -> list:
     and later on each of the others. E.g. 6 steps on 2 workers: 3 + 3; 7:
     4 + 3. The same steps run, each once.
     """
+    if first and 1 < steps <= (group or 0):
+        return [1] * steps
     full = getattr(handler, "_tf2sync_steps_per_execution", None)
     workers = len(tf_internals.coordinator_workers(coordinator))
     if full is None or steps >= full or steps < 2 or workers < 2:
