@@ -1,6 +1,7 @@
 """tf2sync.Trainer: hooks, callbacks, checkpoints and exact resume."""
 
 import tempfile
+from unittest import mock
 
 import tensorflow as tf
 import testutil
@@ -114,6 +115,45 @@ class TrainerTest(parameterized.TestCase):
         self.assertEqual(history.history["hooked"], [1.0, 1.0])
         self.assertEqual(history.history["sync_steps"], [4, 8])
         self.assertLess(history.history["loss"][1], history.history["loss"][0])
+
+    def test_the_first_loop_runs_as_single_steps(self):
+        # The workers first set up a function of one step copy; the full
+        # loop (its trace a copy of that step's) serves the loops after it.
+        strategy, model, optimizer = _parts()
+        trainer = _trainer((strategy, model, optimizer), 4)
+        schedule = trainer.coordinator.schedule
+        scheduled = []
+
+        def recording(fn, args=None, kwargs=None):
+            scheduled.append("loop" if fn is trainer._loop else "single")
+            return schedule(fn, args=args, kwargs=kwargs)
+
+        with mock.patch.object(trainer.coordinator, "schedule", recording):
+            history = trainer.train(_dataset_fn, epochs=2, steps_per_epoch=8)
+        self.assertEqual(scheduled, ["single"] * 4 + ["loop"] * 3)
+        self.assertEqual(history.history["sync_steps"], [4, 8])
+        self.assertEqual(int(optimizer.iterations.numpy()), 8)
+        # A tf.while_loop of single steps is already one step's function.
+        scheduled.clear()
+        trainer = _trainer(
+            (strategy, model, optimizer), 4, use_tf_while_loop=True
+        )
+        schedule = trainer.coordinator.schedule
+        with mock.patch.object(trainer.coordinator, "schedule", recording):
+            trainer.train(_dataset_fn, epochs=1, steps_per_epoch=8)
+        self.assertEqual(scheduled, ["loop"] * 2)
+
+    def test_an_epochs_loss_weighs_each_function_by_its_steps(self):
+        strategy, model, optimizer = _parts()
+        trainer = _trainer((strategy, model, optimizer), 4)
+        fetched = {"single": 1.0, "loop": 4.0}  # each function's mean loss
+        trainer.coordinator = mock.Mock(spec=["schedule", "join"])
+        trainer.coordinator.schedule.side_effect = lambda fn, args: mock.Mock(
+            fetch=lambda: fetched[fn]
+        )
+        logs = trainer._run_epoch("loop", None, 2, optimizer, "single")
+        # 4 single steps at 1.0 and one loop of 4 at 4.0: 2.5 a step.
+        self.assertEqual(logs["loss"], 2.5)
 
     def test_a_loss_function_needing_autograph_is_converted(self):
         # Trainer's own train_step is tf2sync code, which AutoGraph skips;

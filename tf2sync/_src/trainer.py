@@ -38,7 +38,10 @@ class Trainer:
        chief part, no hook is needed). By default the function repeats
        the step in its graph, up to `max_unrolled_steps` (10) copies per
        `tf.while_loop` iteration (see `use_tf_while_loop` and `options`
-       in `__init__`).
+       in `__init__`). The first loop of a `train` call whose steps are
+       all copies runs as `steps_per_loop` functions of one step: the
+       workers set that function up sooner, so the first update comes
+       sooner. The steps and their order are the same either way.
     3. The loop joins: when `train` returns or raises, no step is running.
     4. `train_loop_end(logs)` may add entries; the sync totals (exact, read
        after the join) are added; then `on_epoch_end`, and with
@@ -191,24 +194,51 @@ class Trainer:
 
     # Driver ---------------------------------------------------------------
 
-    def _loop_function(self):
-        steps = self.steps_per_loop
+    def _loop_function(self, steps=None, traces=None):
+        """The function of `steps` (default `steps_per_loop`) steps; it
+        copies the step's trace from `traces` (a `loops.StepTraces`) if
+        another function made it."""
+        steps = self.steps_per_loop if steps is None else steps
         group = self._copies_per_group()
 
         @tf.function
         def loop(iterator):
-            def step(total):
+            def step(total, iterator):
                 loss = self.strategy.run(
                     self.train_step, args=(next(iterator),)
                 )
                 return total + tf.cast(loss, tf.float32)
 
             total = loops.repeat(
-                step, steps, group, tf.constant(0.0), trace_once=not self._shim
+                step,
+                steps,
+                group,
+                tf.constant(0.0),
+                trace_once=not self._shim,
+                inputs=(iterator,),
+                traces=traces,
             )
             return total / steps
 
         return loop
+
+    def _single_step_loop(self, traces):
+        """The function of one step that runs a `train` call's first loop
+        as single steps, or None.
+
+        As `fit`'s first call (`unrolled_fit._pieces`): the workers first
+        set up a function of one copy of the step rather than of
+        `steps_per_loop`, so the first update comes sooner, and the full
+        loop is set up at the next one. Only where the loop's steps are all
+        copies in one graph, and not with the TF1 shim (its copies are
+        traced per copy, ordered by its token).
+        """
+        if (
+            self._shim
+            or not 1 < self.steps_per_loop <= self._copies_per_group()
+        ):
+            return None
+        return self._loop_function(steps=1, traces=traces)
 
     def _copies_per_group(self) -> int:
         """Step copies per `loops.repeat` group, as `use_tf_while_loop` says."""
@@ -311,7 +341,9 @@ class Trainer:
             loop = self._loop = self._pass_loop_function()
         else:
             iterator = self._per_worker_iterator(dataset_fn)
-            loop = self._loop = self._loop_function()
+            traces = loops.StepTraces()  # the functions below share it
+            loop = self._loop = self._loop_function(traces=traces)
+            single = self._single_step_loop(traces)
         sync = None
         if not self._shim:
             sync = callbacks_lib.find_sync_optimizer(self.optimizer)
@@ -323,7 +355,10 @@ class Trainer:
                 next_pass()
                 logs = self._run_pass(loop, iter(per_worker), sync)
             else:
-                logs = self._run_epoch(loop, iterator, loops_per_epoch, sync)
+                logs = self._run_epoch(
+                    loop, iterator, loops_per_epoch, sync, single
+                )
+                single = None  # the first epoch's first loop only
             logs = self.train_loop_end(logs)
             callback_list.on_epoch_end(epoch, logs)
             self._end_epoch(epoch, epochs, logs)
@@ -386,14 +421,17 @@ class Trainer:
         )
         return iter(per_worker)
 
-    def _run_epoch(self, loop, iterator, loops_per_epoch, sync):
+    def _run_epoch(self, loop, iterator, loops_per_epoch, sync, single=None):
         """Schedules an epoch's functions, joins, and returns its logs.
 
         Args:
           loop: The `tf.function` from `_loop_function`.
           iterator: The per-worker iterator it reads.
-          loops_per_epoch: Functions to schedule.
+          loops_per_epoch: Loops to run.
           sync: The `SyncOptimizer`, or None for the TF1 shim.
+          single: The function of one step from `_single_step_loop`: the
+            first loop runs as `steps_per_loop` of it. None: every loop is
+            one `loop`.
 
         Returns:
           The logs: the mean loss, the sync totals (read after the join)
@@ -401,19 +439,26 @@ class Trainer:
         """
         began = time.perf_counter()
         before = self._sync_totals(sync)["sync_steps"]
+        functions = [(loop, self.steps_per_loop)] * loops_per_epoch
+        if single is not None and functions:
+            functions[:1] = [(single, 1)] * self.steps_per_loop
         plan = getattr(self.coordinator, "plan_epoch", None)
         if plan is not None:  # re-run functions add no update to the run
             plan(loop, loops_per_epoch * self.steps_per_loop, self._run)
+            if single is not None:
+                self.coordinator.planned(single)
         results = [
-            self.coordinator.schedule(loop, args=(iterator,))
-            for _ in range(loops_per_epoch)
+            (self.coordinator.schedule(function, args=(iterator,)), steps)
+            for function, steps in functions
         ]
         losses = self._fetch_losses(results)
         self.coordinator.join()
         seconds = time.perf_counter() - began
         totals = self._sync_totals(sync)
         steps_done = totals["sync_steps"] - before
-        logs = {"loss": sum(losses) / len(losses), **totals}
+        # Each function's loss is the mean of its steps'.
+        total = sum(loss * steps for loss, (_, steps) in zip(losses, results))
+        logs = {"loss": total / sum(steps for _, steps in results), **totals}
         logs["sync_steps_per_s"] = steps_done / max(seconds, 1e-9)
         return logs
 
@@ -459,15 +504,18 @@ class Trainer:
         return logs
 
     def _fetch_losses(self, results):
-        """The scheduled functions' losses, in order; with `verbose=1` a bar."""
+        """The losses of `results` (`(RemoteValue, steps)`), in order; with
+        `verbose=1` a bar counting loops of `steps_per_loop` steps."""
         bar = None
         if self._verbose == 1:
-            bar = tf_keras.utils.Progbar(len(results), unit_name="loop")
-        losses = []
-        for i, result in enumerate(results):
+            loops_total = sum(s for _, s in results) / self.steps_per_loop
+            bar = tf_keras.utils.Progbar(loops_total, unit_name="loop")
+        losses, done = [], 0
+        for result, steps in results:
             losses.append(float(result.fetch()))
+            done += steps
             if bar:
-                bar.update(i + 1, [("loss", losses[-1])])
+                bar.update(done / self.steps_per_loop, [("loss", losses[-1])])
         return losses
 
     def _end_epoch(self, epoch, epochs, logs):
