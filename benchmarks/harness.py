@@ -42,11 +42,12 @@ measured, 3 repeats of 20 functions) and ~1.8 GB of RSS per ps (every PSS
 system's copy of w4 lives on the same 2 ps):
 --scenarios=main,...,sharding, or --scenarios=sharding alone. `startup`,
 not in the default run either (benchmarks/startup.py): time from the call
-of `model.fit` (tf2sync_fit, pss_async_fit) or a custom loop's first
-`schedule` (tf2sync_loop, pss_async; tf2sync_loop_while on request) to the
+of `model.fit` (tf2sync_fit, pss_async_fit), of `tf2sync.Trainer.train`
+(tf2sync_trainer) or a custom loop's first `schedule` (tf2sync_loop,
+pss_async; tf2sync_loop_while on request) to the
 first applied update, split into tracing, function registration and first
 execution, and the first steps; each repeat in a fresh process
-(--startup_workloads=w1,digits, --startup_repeats=3: 24 processes, about
+(--startup_workloads=w1,digits, --startup_repeats=3: 30 processes, about
 6 min on 2 cores).
 
 Before and after (--baseline_tree=PATH, e.g. a git worktree of the

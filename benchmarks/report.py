@@ -56,6 +56,7 @@ SHARDED_W3_ABOVE = 1.0
 FIRST_UPDATE_AT_MOST = 1.5
 STARTUP_PAIRS = (
     ("tf2sync_fit", "pss_async_fit"),
+    ("tf2sync_trainer", "pss_async"),
     ("tf2sync_loop", "pss_async"),
 )
 

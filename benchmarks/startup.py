@@ -4,15 +4,16 @@ Per workload and system, each repeat in a fresh chief process
 (`startup_worker.py`, an in-process cluster of 2 workers + 1 ps on
 127.0.0.1; first-trace costs are per process), the systems interleaved as
 the harness does (the order rotates each round): from the call of
-`model.fit` (tf2sync_fit, pss_async_fit) or the custom loop's first
-`schedule` (tf2sync_loop, pss_async) to the first applied update, split
+`model.fit` (tf2sync_fit, pss_async_fit), of `tf2sync.Trainer.train`
+(tf2sync_trainer) or the custom loop's first `schedule` (tf2sync_loop,
+pss_async) to the first applied update, split
 into (a) tracing (inside the first `ClusterCoordinator.schedule`), (b)
 function registration and first execution on the workers and ps (from
 that schedule's return to the first function's result, minus one
 steady-state function time) and (c) the first steps (one steady-state
 function time). See startup_worker.py for what each field times.
 
-Not in the default run: 4 systems x 2 workloads x 3 repeats is 24 fresh
+Not in the default run: 5 systems x 2 workloads x 3 repeats is 30 fresh
 processes, about 6 min on 2 cores (--scenarios=startup).
 """
 
@@ -24,13 +25,20 @@ from sections import median
 from sections import ratio
 from sections import table
 
-SYSTEMS = ("tf2sync_fit", "pss_async_fit", "tf2sync_loop", "pss_async")
+SYSTEMS = (
+    "tf2sync_fit",
+    "pss_async_fit",
+    "tf2sync_trainer",
+    "tf2sync_loop",
+    "pss_async",
+)
 # Also measurable (--startup_systems): tf2sync's loop in a tf.while_loop
 # of single steps, which traces one copy of the step, as stock PSS does.
 EXTRA_SYSTEMS = ("tf2sync_loop_while",)
 # Each tf2sync system and the stock PSS system it is compared with.
 PAIRS = (
     ("tf2sync_fit", "pss_async_fit"),
+    ("tf2sync_trainer", "pss_async"),
     ("tf2sync_loop", "pss_async"),
     ("tf2sync_loop_while", "pss_async"),
 )

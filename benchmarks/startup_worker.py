@@ -4,7 +4,8 @@ One measurement per process (first-trace costs are per process): the
 harness starts this chief with an in-process cluster (2 workers + 1 ps on
 127.0.0.1), sends one `measure(system, workload, k, rounds)` and ends it by
 PID. Systems: `tf2sync_fit` and `pss_async_fit` (`model.fit`,
-steps_per_execution=k), `tf2sync_loop`, `tf2sync_loop_while` and
+steps_per_execution=k), `tf2sync_trainer` (`tf2sync.Trainer.train`,
+steps_per_loop=k), `tf2sync_loop`, `tf2sync_loop_while` and
 `pss_async` (a custom loop on a `ClusterCoordinator`, k steps per
 function, as systems.LoopRunner builds them: tf2sync_loop with the step
 repeated in the graph, the others in a `tf.while_loop`). Workloads: w1
@@ -234,7 +235,12 @@ class _Server:
             inner = _optimizer(workload)
             opt = tf2sync.SyncOptimizer(inner) if sync else inner
         fit = system.endswith("_fit")
-        if fit:
+        if system == "tf2sync_trainer":
+            result = self._trainer(
+                strategy, model, opt, workload, batch, k, rounds, loop_loss
+            )
+            result["setup_s"] = round(result.pop("t0") - start, 4)
+        elif fit:
             with strategy.scope():
                 model.compile(
                     optimizer=opt, loss=keras_loss, steps_per_execution=k
@@ -331,6 +337,31 @@ class _Server:
         coordinator.join()
         steady = (time.perf_counter() - steady_start) / rounds
         result = self._split(clock, t0, steady)
+        result["t0"] = t0
+        result["steps"] = int(opt.iterations.numpy())
+        return result
+
+    def _trainer(self, strategy, model, opt, workload, batch, k, rounds, loss):
+        # Its default loop (the step repeated in the graph, the first loop
+        # as single steps); t0 = the `train` call.
+        timer = systems._EpochTimer(1, lambda: [int(opt.iterations.numpy())])
+        trainer = tf2sync.Trainer(
+            strategy=strategy,
+            model=model,
+            optimizer=opt,
+            loss_fn=loss,
+            steps_per_loop=k,
+            callbacks=[timer],
+            verbose=0,
+        )
+        clock = _Clock(opt.iterations)
+        t0 = time.perf_counter()
+        trainer.train(
+            lambda ctx: _dataset(workload, batch),
+            epochs=2,
+            steps_per_epoch=rounds * self.workers * k,
+        )
+        result = self._split(clock, t0, timer.seconds / rounds)
         result["t0"] = t0
         result["steps"] = int(opt.iterations.numpy())
         return result
