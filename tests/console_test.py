@@ -70,6 +70,30 @@ class LocalModeTest(parameterized.TestCase):
         self.assertEqual(console.flag_value(argv, "task_log_dir"), "/a")
         self.assertIsNone(console.flag_value(["tf2sync"], "task_log_dir"))
 
+    def test_flag_value_reads_flagfiles_as_absl_does(self):
+        path = os.path.join(tempfile.mkdtemp(), "job.cfg")
+        with open(path, "w") as f:
+            f.write("--job_name=worker\n--task_log_dir=/in_file\n")
+        argv = ["tf2sync", f"--flagfile={path}"]
+        self.assertEqual(console.flag_value(argv, "job_name"), "worker")
+        # The last one wins, as in absl: after the file, or before it.
+        self.assertEqual(
+            console.flag_value([*argv, "--task_log_dir=/a"], "task_log_dir"),
+            "/a",
+        )
+        self.assertEqual(
+            console.flag_value(
+                ["tf2sync", "--task_log_dir=/a", "--flagfile", path],
+                "task_log_dir",
+            ),
+            "/in_file",
+        )
+        # A role in a flagfile is not the local mode.
+        self.assertFalse(console.runs_local_cluster(argv, {}))
+        # A flagfile that cannot be read: absl reports it when it parses.
+        missing = ["tf2sync", "--flagfile=/no/such.cfg", "--job_name=ps"]
+        self.assertEqual(console.flag_value(missing, "job_name"), "ps")
+
     def test_is_launcher(self):
         self.assertTrue(console.is_launcher(["/venv/bin/tf2sync", "--x"]))
         self.assertFalse(console.is_launcher(["-m"]))

@@ -517,6 +517,21 @@ class JobModuleTest(absltest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         self.assertIn("sync_steps_applied=", out.stdout)
 
+    def test_a_job_module_and_its_flags_in_a_flagfile(self):
+        # The job module is imported before absl parses the flags, so the
+        # flags it defines can be in the same file.
+        directory = tempfile.mkdtemp()
+        path = os.path.join(directory, "clicks.cfg")
+        with open(path, "w") as f:
+            f.write(
+                "--job_module=tf2sync._src.jobs.clicks\n"
+                "--clicks_vocab_size=500\n--clicks_num_train=256\n"
+                "--epochs=1\n"
+            )
+        out = self._script(f"--flagfile={path}", cwd=directory)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        self.assertIn("sync_steps_applied=", out.stdout)
+
     def test_a_missing_job_module_is_a_usage_error(self):
         out = self._script("--job_module=no_such_job", cwd=tempfile.mkdtemp())
         self.assertNotEqual(out.returncode, 0)

@@ -97,8 +97,13 @@ def repoint_handlers(old, new) -> None:
 
 
 def flag_value(argv, name):
-    """The last `--NAME=V` / `--NAME V` in `argv` (as absl reads), or None."""
-    args = argv[1:]
+    """The last `--NAME=V` / `--NAME V` in `argv` (as absl reads), or None.
+
+    A `--flagfile` counts as its lines in its place, as absl reads it; one
+    that cannot be read counts as nothing here (absl reports it when it
+    parses the flags).
+    """
+    args = _with_flagfiles(argv[1:])
     value = None
     for i, arg in enumerate(args):
         if arg == "--":
@@ -108,6 +113,18 @@ def flag_value(argv, name):
         elif arg == f"--{name}" and i + 1 < len(args):
             value = args[i + 1]
     return value
+
+
+def _with_flagfiles(args):
+    """`args` with each `--flagfile` expanded (absl's own reading)."""
+    if not any(a.startswith("--flagfile") for a in args):
+        return args
+    from absl import flags  # no TensorFlow
+
+    try:
+        return flags.FLAGS.read_flags_from_files(args, force_gnu=True)
+    except flags.Error:
+        return args
 
 
 def auto_cluster_source(job_name, environ=os.environ) -> str:
