@@ -4,7 +4,9 @@ Each test compares against a single-process reference: synchronous training
 with N replicas at batch B must follow single-process training at batch N*B.
 """
 
+import os
 import tempfile
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
@@ -491,9 +493,24 @@ class AutographTest(absltest.TestCase):
         def step(x, y):
             return strategy.run(replica, args=(x, y))
 
-        for _ in range(2):
-            coordinator.schedule(step, args=(x, y))
-        coordinator.join()
+        from tensorflow.python.autograph.impl import api
+
+        converted = []
+        convert = api._convert_actual
+
+        def recording(entity, program_ctx):
+            converted.append(getattr(entity, "__code__", None))
+            return convert(entity, program_ctx)
+
+        with mock.patch.object(api, "_convert_actual", recording):
+            for _ in range(2):
+                coordinator.schedule(step, args=(x, y))
+            coordinator.join()
+        # Nor are tf2sync's own tf.functions (the coordinator's worker ids).
+        ours = os.path.dirname(tf2sync.__file__)
+        self.assertNotEmpty(converted)  # the user's step and replica
+        for code in converted:
+            self.assertFalse(code and code.co_filename.startswith(ours), code)
         expected = _reference(testutil.dense_model, OPTIMIZERS["sgd"], [(x, y)])
         self.assertEqual(int(opt.iterations.numpy()), 1)
         self.assertLess(

@@ -120,7 +120,9 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         if self._worker_ids is None:
             ids = []
             for i, worker in enumerate(tf_internals.coordinator_workers(self)):
-                index = tf.function(lambda i=i: tf.constant(i, tf.int64))
+                index = tf.function(
+                    lambda i=i: tf.constant(i, tf.int64), autograph=False
+                )
                 ids.append(worker.create_resource(index))
             self._worker_ids = (
                 tf.distribute.experimental.coordinator.PerWorkerValues(
