@@ -1,5 +1,7 @@
 """tf2sync.Trainer: hooks, callbacks, checkpoints and exact resume."""
 
+import contextlib
+import io
 import tempfile
 from unittest import mock
 
@@ -151,9 +153,14 @@ class TrainerTest(parameterized.TestCase):
         trainer.coordinator.schedule.side_effect = lambda fn, args: mock.Mock(
             fetch=lambda: fetched[fn]
         )
-        logs = trainer._run_epoch("loop", None, 2, optimizer, "single")
+        trainer._verbose = 1  # the progress bar shows the same mean
+        shown = io.StringIO()
+        with contextlib.redirect_stdout(shown):
+            logs = trainer._run_epoch("loop", None, 2, optimizer, "single")
         # 4 single steps at 1.0 and one loop of 4 at 4.0: 2.5 a step.
         self.assertEqual(logs["loss"], 2.5)
+        self.assertIn("2/2", shown.getvalue())
+        self.assertIn("loss: 2.5000", shown.getvalue())
 
     def test_a_loss_function_needing_autograph_is_converted(self):
         # Trainer's own train_step is tf2sync code, which AutoGraph skips;
@@ -283,6 +290,12 @@ class TrainerTest(parameterized.TestCase):
         self.assertEqual(_push_calls(unrolled, parts[2]), 4)
         self.assertEqual(_push_calls(rolled, rolled_optimizer), 0)
         self.assertEqual(history.history["sync_steps"], [4, 8])
+        # One step per loop: no single-step function shares its trace, and
+        # its lone push stays inline too.
+        lone_parts = _parts()
+        lone = _trainer(lone_parts, 1)
+        lone.train(_dataset_fn, epochs=1, steps_per_epoch=2)
+        self.assertEqual(_push_calls(lone, lone_parts[2]), 0)
         self.assertLess(
             testutil.max_abs_diff(parts[1].get_weights(), expected), 1e-6
         )

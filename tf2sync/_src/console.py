@@ -99,8 +99,8 @@ def repoint_handlers(old, new) -> None:
 def flag_value(argv, name):
     """The last `--NAME=V` / `--NAME V` in `argv` (as absl reads), or None.
 
-    A `--flagfile` counts as its lines in its place, as absl reads it; one
-    that cannot be read counts as nothing here (absl reports it when it
+    A `--flagfile` counts as its lines in its place, as absl reads it. If
+    one cannot be read, no flagfile is read here (absl reports it when it
     parses the flags).
     """
     args = _with_flagfiles(argv[1:])
@@ -117,7 +117,7 @@ def flag_value(argv, name):
 
 def _with_flagfiles(args):
     """`args` with each `--flagfile` expanded (absl's own reading)."""
-    if not any(a.startswith("--flagfile") for a in args):
+    if not any(a.lstrip("-").startswith("flagfile") for a in args):
         return args
     from absl import flags  # no TensorFlow
 

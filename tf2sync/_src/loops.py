@@ -16,10 +16,10 @@ of the function instead would run slower (TF calls it at every step rather
 than inlining it: 0.70-0.76 x the examples/s on w1 and w3), and tracing
 the step again per copy costs a step's trace per copy
 (docs/performance.md, "Time to the first update"). Functions that repeat
-the same step (`fit`'s, when an epoch's steps are not a multiple of
-`steps_per_execution`: one function of K steps, and the pieces of the
-rest, split over the workers) can share that trace through a
-`StepTraces`.
+the same step can share that trace through a `StepTraces`: `fit`'s
+function of K steps, the single-step function its first call runs
+(`Trainer`'s first loop too), and the pieces of an epoch's last, shorter
+call.
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ class StepTraces:
     `repeat` traces its step once per function; given the same
     `StepTraces`, a second function copies the first one's trace instead
     (`fit`'s function for an epoch's last steps: on the digits job its
-    trace took 0.76 s of the first epoch). A trace serves another
+    trace took 0.76 s of the first epoch; `fit`'s and `Trainer`'s full
+    function after their first call's single steps). A trace serves another
     function when it takes the same kinds of carry and inputs and captured
     nothing of the function it was traced in (only variables and other
     values from outside it); otherwise that function traces its own.

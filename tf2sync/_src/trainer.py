@@ -341,9 +341,14 @@ class Trainer:
             loop = self._loop = self._pass_loop_function()
         else:
             iterator = self._per_worker_iterator(dataset_fn)
-            traces = loops.StepTraces()  # the functions below share it
-            loop = self._loop = self._loop_function(traces=traces)
+            # The first loop's single steps and the loop share one trace;
+            # a loop with no single-step function keeps a lone push inline
+            # (loops.repeating).
+            traces = loops.StepTraces()
             single = self._single_step_loop(traces)
+            loop = self._loop = self._loop_function(
+                traces=traces if single is not None else None
+            )
         sync = None
         if not self._shim:
             sync = callbacks_lib.find_sync_optimizer(self.optimizer)
@@ -509,13 +514,16 @@ class Trainer:
         bar = None
         if self._verbose == 1:
             loops_total = sum(s for _, s in results) / self.steps_per_loop
-            bar = tf_keras.utils.Progbar(loops_total, unit_name="loop")
-        losses, done = [], 0
+            bar = tf_keras.utils.Progbar(
+                loops_total, unit_name="loop", stateful_metrics=["loss"]
+            )
+        losses, done, total = [], 0, 0.0
         for result, steps in results:
             losses.append(float(result.fetch()))
             done += steps
-            if bar:
-                bar.update(done / self.steps_per_loop, [("loss", losses[-1])])
+            total += losses[-1] * steps
+            if bar:  # the mean loss of the steps so far
+                bar.update(done / self.steps_per_loop, [("loss", total / done)])
         return losses
 
     def _end_epoch(self, epoch, epochs, logs):

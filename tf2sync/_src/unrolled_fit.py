@@ -193,7 +193,8 @@ def _scheduler(model, coordinator, sync):
 def _pieces(steps, handler, coordinator, first=False, group=None) -> list:
     """The steps of the functions that run a call of `steps`.
 
-    The first call of a `fit` (`first`: no function traced yet) runs as
+    The first call of the model's train function (`first`: no function
+    traced yet; the first `fit` after `compile`) runs as
     single-step functions when its steps are all copies in one graph (at
     most `group`, `SyncOptions.max_unrolled_steps`): the workers set up a
     function of one copy of the step, not of `steps`, so the first update
