@@ -149,6 +149,15 @@ class RepeatTest(parameterized.TestCase):
         self.assertLen(traced, 1 + 3)
 
 
+class StartsOnSingleStepsTest(absltest.TestCase):
+    def test_only_calls_of_several_steps_all_copies_in_one_graph(self):
+        self.assertTrue(loops.starts_on_single_steps(10, 10))
+        self.assertTrue(loops.starts_on_single_steps(2, 10))
+        self.assertFalse(loops.starts_on_single_steps(1, 10))  # one already
+        self.assertFalse(loops.starts_on_single_steps(11, 10))  # a loop
+        self.assertFalse(loops.starts_on_single_steps(4, 1))  # a loop
+
+
 class StepTracesTest(absltest.TestCase):
     def test_functions_sharing_traces_trace_the_step_once(self):
         v = tf.Variable(0.0)

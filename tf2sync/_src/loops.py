@@ -118,6 +118,21 @@ def repeat(
         return _repeat(run, steps, group, carry)
 
 
+def starts_on_single_steps(steps: int, group: int) -> bool:
+    """Whether a first call of `steps` steps should run as single-step
+    functions (`fit`'s first call, `Trainer`'s first loop).
+
+    Where the call's steps are all copies in one graph (at most `group`)
+    and more than one: the workers first set up a function of one copy
+    rather than of `steps`, so the first update comes sooner, and the
+    full function (traced meanwhile) is set up at the next call instead
+    (docs/performance.md, "Time to the first update"). Past one group a
+    `tf.while_loop` runs the groups, and splitting would take as many
+    functions as steps.
+    """
+    return 1 < steps <= group
+
+
 class StepTraces:
     """The traces of one step, for the functions that repeat it.
 

@@ -226,16 +226,12 @@ class Trainer:
         """The function of one step that runs a `train` call's first loop
         as single steps, or None.
 
-        As `fit`'s first call (`unrolled_fit._pieces`): the workers first
-        set up a function of one copy of the step rather than of
-        `steps_per_loop`, so the first update comes sooner, and the full
-        loop is set up at the next one. Only where the loop's steps are all
-        copies in one graph, and not with the TF1 shim (its copies are
-        traced per copy, ordered by its token).
+        As `fit`'s first call, where `loops.starts_on_single_steps` says
+        so; not with the TF1 shim (its copies are traced per copy, ordered
+        by its token).
         """
-        if (
-            self._shim
-            or not 1 < self.steps_per_loop <= self._copies_per_group()
+        if self._shim or not loops.starts_on_single_steps(
+            self.steps_per_loop, self._copies_per_group()
         ):
             return None
         return self._loop_function(steps=1, traces=traces)
@@ -445,7 +441,7 @@ class Trainer:
         began = time.perf_counter()
         before = self._sync_totals(sync)["sync_steps"]
         functions = [(loop, self.steps_per_loop)] * loops_per_epoch
-        if single is not None and functions:
+        if single is not None:
             functions[:1] = [(single, 1)] * self.steps_per_loop
         plan = getattr(self.coordinator, "plan_epoch", None)
         if plan is not None:  # re-run functions add no update to the run
@@ -456,14 +452,12 @@ class Trainer:
             (self.coordinator.schedule(function, args=(iterator,)), steps)
             for function, steps in functions
         ]
-        losses = self._fetch_losses(results)
+        loss = self._fetch_mean_loss(results)
         self.coordinator.join()
         seconds = time.perf_counter() - began
         totals = self._sync_totals(sync)
         steps_done = totals["sync_steps"] - before
-        # Each function's loss is the mean of its steps'.
-        total = sum(loss * steps for loss, (_, steps) in zip(losses, results))
-        logs = {"loss": total / sum(steps for _, steps in results), **totals}
+        logs = {"loss": loss, **totals}
         logs["sync_steps_per_s"] = steps_done / max(seconds, 1e-9)
         return logs
 
@@ -508,23 +502,23 @@ class Trainer:
         logs["pass_steps"] = ran
         return logs
 
-    def _fetch_losses(self, results):
-        """The losses of `results` (`(RemoteValue, steps)`), in order; with
-        `verbose=1` a bar counting loops of `steps_per_loop` steps."""
+    def _fetch_mean_loss(self, results):
+        """The mean loss of the steps of `results` (`(RemoteValue, steps)`,
+        each function's loss the mean of its steps'), fetched in order;
+        with `verbose=1` a bar counting loops of `steps_per_loop` steps."""
         bar = None
         if self._verbose == 1:
             loops_total = sum(s for _, s in results) / self.steps_per_loop
             bar = tf_keras.utils.Progbar(
                 loops_total, unit_name="loop", stateful_metrics=["loss"]
             )
-        losses, done, total = [], 0, 0.0
+        done, total = 0, 0.0
         for result, steps in results:
-            losses.append(float(result.fetch()))
             done += steps
-            total += losses[-1] * steps
+            total += float(result.fetch()) * steps
             if bar:  # the mean loss of the steps so far
                 bar.update(done / self.steps_per_loop, [("loss", total / done)])
-        return losses
+        return total / done
 
     def _end_epoch(self, epoch, epochs, logs):
         """Counts `epoch` done, checkpoints it, and with `verbose=2` logs it."""

@@ -190,18 +190,14 @@ def _scheduler(model, coordinator, sync):
     return schedule
 
 
-def _pieces(steps, handler, coordinator, first=False, group=None) -> list:
+def _pieces(steps, handler, coordinator, first, group) -> list:
     """The steps of the functions that run a call of `steps`.
 
     The first call of the model's train function (`first`: no function
-    traced yet; the first `fit` after `compile`) runs as
-    single-step functions when its steps are all copies in one graph (at
-    most `group`, `SyncOptions.max_unrolled_steps`): the workers set up a
-    function of one copy of the step, not of `steps`, so the first update
-    comes that much sooner, and the next call's function (all the copies)
-    is traced while they run those steps. Its set-up then comes at the
-    next call, in place of this one's: the first epoch ends about when it
-    did (docs/performance.md, "Time to the first update").
+    traced yet; the first `fit` after `compile`) runs as single-step
+    functions where `loops.starts_on_single_steps` says so (`group`:
+    `SyncOptions.max_unrolled_steps`); the first epoch then ends about
+    when it did.
 
     A call of fewer steps than `steps_per_execution` (an epoch's last; or
     every call, when an epoch is shorter than `steps_per_execution`, which
@@ -212,7 +208,7 @@ def _pieces(steps, handler, coordinator, first=False, group=None) -> list:
     and later on each of the others. E.g. 6 steps on 2 workers: 3 + 3; 7:
     4 + 3. The same steps run, each once.
     """
-    if first and 1 < steps <= (group or 0):
+    if first and loops.starts_on_single_steps(steps, group):
         return [1] * steps
     full = getattr(handler, "_tf2sync_steps_per_execution", None)
     workers = len(tf_internals.coordinator_workers(coordinator))
