@@ -141,16 +141,14 @@ def startup_section(records) -> list[str]:
     lines = [
         "From the call of `model.fit` or `Trainer.train` (or the custom "
         "loop's first `schedule`) to the first applied update (the "
-        "optimizer's "
-        "`iterations` on the ps >= 1, polled by the chief every 5 ms) and "
-        "to the first function's result, each repeat in a fresh process "
-        "(2 workers + 1 ps, in-process), the systems interleaved; medians. "
-        "(a) the first `ClusterCoordinator.schedule` call (tracing); (b) "
-        "from its return to the first function's result, minus (c) one "
-        "steady-state function (one function per worker); fit and the "
-        "Trainer also spend `fit to 1st schedule` building each worker's "
-        "iterator. Ratios are "
-        "tf2sync / stock PSS.",
+        "optimizer's `iterations` on the ps >= 1, polled by the chief every "
+        "5 ms) and to the first function's result, each repeat in a fresh "
+        "process (2 workers + 1 ps, in-process), the systems interleaved; "
+        "medians. (a) the first `ClusterCoordinator.schedule` call "
+        "(tracing); (b) from its return to the first function's result, "
+        "minus (c) one steady-state function (one function per worker); "
+        "fit and the Trainer also spend `fit to 1st schedule` building "
+        "each worker's iterator. Ratios are tf2sync / stock PSS.",
         "",
     ]
     header = ["workload", "system", *[h for _, h in FIELDS], "runs"]
