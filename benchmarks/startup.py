@@ -42,9 +42,10 @@ PAIRS = (
     ("tf2sync_loop", "pss_async"),
     ("tf2sync_loop_while", "pss_async"),
 )
-WORKLOADS = ("w1", "digits", "resnet50")
+WORKLOADS = ("w1", "w2", "digits", "resnet50")
 WORKLOAD_TEXT = {
     "w1": "MLP 32-64-10, batch 32/worker",
+    "w2": "the harness's CNN on 32x32x3, batch 64/worker",
     "digits": "the launcher's digits conv net, batch 32/worker",
     "resnet50": "ResNet-50 (weights=None) on 64x64x3, batch 4/worker",
 }
