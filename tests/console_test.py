@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -98,6 +100,72 @@ class LocalModeTest(parameterized.TestCase):
         self.assertTrue(console.is_launcher(["/venv/bin/tf2sync", "--x"]))
         self.assertFalse(console.is_launcher(["-m"]))
         self.assertFalse(console.is_launcher(["/usr/bin/python3"]))
+
+
+class LogDirPruningTest(absltest.TestCase):
+    def _parent(self):
+        parent = tempfile.TemporaryDirectory()
+        self.addCleanup(parent.cleanup)
+        return parent.name
+
+    def _log_dir(self, parent, name, age_s, files=("chief.log",)):
+        path = os.path.join(parent, console.LOG_DIR_PREFIX + name)
+        os.mkdir(path)
+        when = time.time() - age_s
+        for file in files:
+            with open(os.path.join(path, file), "w") as f:
+                f.write("x\n")
+            os.utime(os.path.join(path, file), (when, when))
+        os.utime(path, (when, when))
+        return path
+
+    def test_keeps_the_newest_and_the_recently_written(self):
+        parent = self._parent()
+        day = console.STALE_LOG_DIR_S
+        old = [self._log_dir(parent, f"old{i}", 2 * day + i) for i in range(4)]
+        new = [self._log_dir(parent, f"new{i}", 60 + i) for i in range(3)]
+        # Old by its directory, written an hour ago by a running cluster.
+        running = self._log_dir(parent, "running", 3 * day)
+        os.utime(os.path.join(running, "chief.log"))
+        mine_not = self._log_dir(
+            parent, "other", 3 * day, files=("chief.log", "notes.txt")
+        )
+        unrelated = os.path.join(parent, "tf2sync_bench_logs_x")
+        os.mkdir(unrelated)
+
+        removed = console.prune_log_dirs(parent, keep=2)
+
+        # Newest first: running, new0 (the 2 kept), new1, new2 (written
+        # within the day), then the old ones; `other` holds a file the
+        # launcher does not write.
+        self.assertCountEqual(removed, old)
+        for path in [*new, running, mine_not, unrelated]:
+            self.assertTrue(os.path.isdir(path), path)
+        for path in old:
+            self.assertFalse(os.path.exists(path), path)
+
+    def test_a_new_temporary_dir_prunes_its_parent(self):
+        parent = self._parent()
+        old = [
+            self._log_dir(parent, f"old{i}", 2 * console.STALE_LOG_DIR_S)
+            for i in range(console.KEPT_LOG_DIRS + 2)
+        ]
+        with mock.patch.object(tempfile, "tempdir", parent):
+            made = console.task_log_dir(None)
+        self.assertEqual(os.path.dirname(made), parent)
+        left = [p for p in old if os.path.exists(p)]
+        # The new one and the newest KEPT_LOG_DIRS - 1 old ones stay.
+        self.assertLen(left, console.KEPT_LOG_DIRS - 1)
+        self.assertTrue(os.path.isdir(made))
+
+    def test_a_requested_dir_prunes_nothing(self):
+        parent = self._parent()
+        old = [
+            self._log_dir(parent, f"old{i}", 2 * console.STALE_LOG_DIR_S)
+            for i in range(console.KEPT_LOG_DIRS + 2)
+        ]
+        console.task_log_dir(os.path.join(parent, "mine"))
+        self.assertTrue(all(os.path.isdir(p) for p in old))
 
 
 if __name__ == "__main__":

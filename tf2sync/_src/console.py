@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import stat
 import sys
 import tempfile
+import time
 
 _state = {"log_dir": None, "done": False, "console_fd": 2}
 
@@ -38,12 +41,79 @@ def quiet_tensorflow_info() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", DEFAULT_TF_CPP_MIN_LOG_LEVEL)
 
 
+# The local mode makes a temporary log directory per run (printed once).
+# Making one removes this user's older ones beyond the newest
+# `KEPT_LOG_DIRS`, once nothing in them was written for `STALE_LOG_DIR_S`
+# (a cluster still running writes to its own), as pytest keeps its last
+# few base temporary directories.
+LOG_DIR_PREFIX = "tf2sync-logs-"
+KEPT_LOG_DIRS = 5
+STALE_LOG_DIR_S = 24 * 3600
+
+
 def task_log_dir(requested: str | None) -> str:
-    """`requested` (created if need be), or a new temporary directory."""
+    """`requested` (created if need be), or a new temporary directory
+    (older ones pruned: `prune_log_dirs`)."""
     if requested:
         os.makedirs(requested, exist_ok=True)
         return requested
-    return tempfile.mkdtemp(prefix="tf2sync-logs-")
+    path = tempfile.mkdtemp(prefix=LOG_DIR_PREFIX)
+    prune_log_dirs(os.path.dirname(path), keep=KEPT_LOG_DIRS)
+    return path
+
+
+def prune_log_dirs(parent: str, keep: int, stale_s: float = STALE_LOG_DIR_S):
+    """Removes old temporary log directories of the local mode in `parent`.
+
+    A directory goes when its name has `LOG_DIR_PREFIX`, this user owns
+    it, it holds nothing but `.log` files, at least `keep` such
+    directories were written more recently, and none of its files was
+    written in the last `stale_s` seconds. Nothing else is touched, and
+    what cannot be read or removed is left as it is.
+
+    Returns:
+      The paths removed.
+    """
+    found = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.name.startswith(LOG_DIR_PREFIX):
+            continue
+        written = _last_write_of_logs(entry)
+        if written is not None:
+            found.append((written, entry.path))
+    found.sort(reverse=True)
+    now = time.time()
+    removed = []
+    for written, path in found[keep:]:
+        if now - written >= stale_s:
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.exists(path):
+                removed.append(path)
+    return removed
+
+
+def _last_write_of_logs(entry) -> float | None:
+    """The latest write time of the directory `entry` and its files, or
+    None unless it is this user's directory of `.log` files only."""
+    try:
+        info = entry.stat(follow_symlinks=False)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return None
+        latest = info.st_mtime
+        for item in os.scandir(entry.path):
+            item_info = item.stat(follow_symlinks=False)
+            if not stat.S_ISREG(item_info.st_mode) or not item.name.endswith(
+                ".log"
+            ):
+                return None
+            latest = max(latest, item_info.st_mtime)
+        return latest
+    except OSError:
+        return None
 
 
 def native_logs_to(path: str) -> None:

@@ -256,7 +256,8 @@ _TASK_LOG_DIR = flags.DEFINE_string(
     None,
     "Where the logs of the local cluster's tasks (ps0.log, worker0.log, ...) "
     "and TensorFlow's C++ log of the chief (chief.log) go. Default: a new "
-    "temporary directory, printed once.",
+    "temporary directory, printed once (older ones beyond the newest 5 are "
+    "removed once nothing in them was written for a day).",
 )
 
 
