@@ -152,6 +152,12 @@ def startup_section(records) -> list[str]:
         "each worker's iterator. Ratios are tf2sync / stock PSS.",
         "",
     ]
+    measured = {workload for workload, _ in found}
+    lines += [
+        f"* {workload}: {WORKLOAD_TEXT[workload]}"
+        for workload in WORKLOADS
+        if workload in measured
+    ] + ([""] if measured else [])
     header = ["workload", "system", *[h for _, h in FIELDS], "runs"]
     rows = []
     for workload in WORKLOADS:

@@ -59,6 +59,9 @@ class StartupSectionTest(absltest.TestCase):
         self.assertEqual(found[("w1", "tf2sync_loop")]["runs"], 3)
         self.assertEqual(found[("w1", "pss_async")]["trace_s"], 1.5)
         lines = startup.startup_section(records)
+        # Each measured workload is described once, the others not.
+        self.assertIn(f"* w1: {startup.WORKLOAD_TEXT['w1']}", lines)
+        self.assertFalse(any(x.startswith("* digits:") for x in lines))
         ratio_row = next(x for x in lines if "tf2sync_loop / pss_async" in x)
         cells = [c.strip() for c in ratio_row.strip("|").split("|")]
         # (a) trace: 5.0 / 1.5; to the first update: 6.0 / 2.5.
