@@ -184,12 +184,12 @@ class Bench:
             ),
         )
 
-    def start_mwms(self, workload, workers):
+    def start_mwms(self, workload, workers, tag=""):
         ports = procs.pick_free_ports(workers)
         cluster = {"worker": [f"{procs.LOOPBACK}:{p}" for p in ports]}
         return [
             self._start(
-                f"mwms_{workload}_{i}",
+                f"mwms_{workload}{tag}_{i}",
                 self._python(
                     "mwms_worker.py",
                     f"--workload={workload}",
@@ -324,10 +324,14 @@ class Bench:
             )
         return answers
 
-    def interleave(self, endpoints, functions, base, extra, window=False):
-        """Runs the repeats, rotating the order; one record per run."""
-        for repeat in range(self.s.repeats):
-            shift = repeat % len(endpoints)
+    def interleave(
+        self, endpoints, functions, base, extra, window=False, first_repeat=0
+    ):
+        """Runs the repeats, rotating the order; one record per run, its
+        `repeat` counted from `first_repeat`."""
+        for index in range(self.s.repeats):
+            repeat = first_repeat + index
+            shift = index % len(endpoints)
             for endpoint in endpoints[shift:] + endpoints[:shift]:
                 if endpoint.failed:
                     continue

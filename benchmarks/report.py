@@ -324,6 +324,16 @@ def plot(records, path) -> str | None:
     return None
 
 
+def _clusters_text(clusters) -> str:
+    """The header's words for `--clusters` (nothing for one build)."""
+    if not isinstance(clusters, int) or clusters <= 1:
+        return ""
+    return (
+        f"; the main scenario built its processes {clusters} times, "
+        "each build running all those repeats, and its medians span them"
+    )
+
+
 def _header(config, done):
     info = config.get("machine", {})
     smoke = " **Smoke run: not a measurement.**" if config.get("smoke") else ""
@@ -341,7 +351,8 @@ def _header(config, done):
         "and 1 ps on 127.0.0.1 (unless said otherwise), in subprocesses of "
         "its own; each is built and warmed up once, then the "
         f"{config.get('repeats', '?')} repeats are interleaved (the order "
-        "rotates each round) so that machine noise hits all systems alike. "
+        "rotates each round) so that machine noise hits all systems alike"
+        f"{_clusters_text(config.get('clusters', 1))}. "
         "Ratios are ratios of medians of the same run. A run is the same "
         f"work for every system: functions x K x B examples (K = "
         f"{config.get('k', '?')}, functions {config.get('functions', '?')}). "

@@ -31,7 +31,19 @@ MEMORY_FUNCTIONS = 10  # timed functions per memory cell (peaks show at once)
 
 
 def scenario_main(bench, workload, workers=2):
-    """Each requested system on `workload`, 2 workers, interleaved."""
+    """Each requested system on `workload`, 2 workers, interleaved; with
+    `--clusters=N`, N times over, each time on processes built anew."""
+    for cluster in range(bench.s.clusters):
+        _main_on_new_processes(bench, workload, workers, cluster)
+
+
+def _main_on_new_processes(bench, workload, workers, cluster):
+    """One build of the main scenario's processes and its repeats on them.
+
+    A system built once keeps its speed for every repeat on it (one build
+    measured 0.84 x another of the same code, the next build 1.02 x), so
+    the `cluster`-th build's records carry `cluster` and continue the
+    repeat count, and the medians span every build."""
     s = bench.s
     base = {
         "scenario": "main",
@@ -40,11 +52,15 @@ def scenario_main(bench, workload, workers=2):
         "steps_per_function": s.k,
         "functions": s.functions[workload],
     }
+    tag = ""
+    if s.clusters > 1:
+        base["cluster"] = cluster
+        tag = f"_c{cluster}" if cluster else ""
     common = {"workload": workload, "k": s.k}
     endpoints, extra = [], {}
     pss = [x for x in s.systems if x in PSS_SYSTEMS]
     if pss:
-        child = bench.start_pss(f"pss_{workload}", workers)
+        child = bench.start_pss(f"pss_{workload}{tag}", workers)
         endpoints += [
             Endpoint(x, "pss", [child], {"system": x, **common}, workers)
             for x in pss
@@ -54,7 +70,7 @@ def scenario_main(bench, workload, workers=2):
         # The baseline tree's tf2sync systems, on a cluster of their own
         # (one version per process), in the same rounds as the current.
         child = bench.start_pss(
-            f"pss_{workload}_baseline", workers, tree=s.baseline_tree
+            f"pss_{workload}_baseline{tag}", workers, tree=s.baseline_tree
         )
         for x in compared:
             name = x + BASELINE
@@ -63,19 +79,23 @@ def scenario_main(bench, workload, workers=2):
             )
             extra[name] = {"baseline_of": x}
     if "local" in s.systems:
-        child = bench.start_pss(f"local_{workload}", 0, local_workers=workers)
+        child = bench.start_pss(
+            f"local_{workload}{tag}", 0, local_workers=workers
+        )
         endpoints.append(
             Endpoint(
                 "local", "pss", [child], {"system": "local", **common}, workers
             )
         )
     if "tf1_sync" in s.systems:
-        child = bench.start_tf1(workload, workers)
+        child = bench.start_tf1(
+            workload, workers, name=f"tf1_sync_{workload}{tag}"
+        )
         endpoints.append(
             Endpoint("tf1_sync", "tf1", [child], {"steps": 2 * s.k}, workers)
         )
     if "mwms" in s.systems:
-        children = bench.start_mwms(workload, workers)
+        children = bench.start_mwms(workload, workers, tag=tag)
         endpoints.append(
             Endpoint("mwms", "mwms", children, {"k": s.k}, workers)
         )
@@ -88,7 +108,13 @@ def scenario_main(bench, workload, workers=2):
     )
     try:
         bench.setup(endpoints, base)
-        bench.interleave(endpoints, s.functions[workload], base, extra)
+        bench.interleave(
+            endpoints,
+            s.functions[workload],
+            base,
+            extra,
+            first_repeat=cluster * s.repeats,
+        )
     finally:
         bench.close(endpoints)
 

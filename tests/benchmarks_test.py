@@ -329,6 +329,45 @@ class HarnessSmokeTest(absltest.TestCase):
         self.assertEqual(done[0]["alive"], [])
         _wait_gone(self, done[0]["started"], seconds=1.0)
 
+    def test_clusters_build_the_main_scenario_anew_each_time(self):
+        """--clusters=2: every process built twice, the second build's
+        repeats numbered on from the first's, the medians over both."""
+        _, out, records = self._smoke(
+            "--scenarios=main",
+            "--workloads=w1",
+            "--systems=local,tf2sync_loop",
+            "--clusters=2",
+        )
+        runs = [
+            (r["system"], r["cluster"], r["repeat"])
+            for r in records
+            if r.get("scenario") == "main" and "examples_per_sec" in r
+        ]
+        self.assertCountEqual(
+            runs,
+            [
+                ("local", 0, 0),
+                ("tf2sync_loop", 0, 0),
+                ("local", 1, 1),
+                ("tf2sync_loop", 1, 1),
+            ],
+        )
+        started = [r for r in records if r.get("event") == "started"]
+        self.assertEqual(
+            [r["name"] for r in started],
+            ["pss_w1", "local_w1", "pss_w1_c1", "local_w1_c1"],
+        )
+        with open(os.path.join(out, "benchmarks.md")) as f:
+            markdown = f.read()
+        self.assertIn("built its processes 2 times", markdown)
+        # The throughput table's medians count both builds' runs.
+        self.assertRegex(
+            markdown, r"\| `tf2sync_loop` \| [0-9,]+ \| .* \| 2 \|"
+        )
+        done = [r for r in records if r.get("event") == "processes"]
+        self.assertEqual(done[0]["alive"], [])
+        _wait_gone(self, done[0]["started"], seconds=1.0)
+
     def test_killed_harness_leaves_no_process(self):
         """SIGKILL to the harness: the kernel ends its subprocesses."""
         out = self._tempdir()
