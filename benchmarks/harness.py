@@ -70,7 +70,8 @@ PNG plot under --output_dir (default docs/).
       --functions=w4:20 --output_dir=/tmp/bs    # w4 alone: ~4 min
   python benchmarks/harness.py --scenarios=main --output_dir=/tmp/ba
       --systems=local,tf2sync_fit,tf2sync_loop,tf1_sync
-      --baseline_tree=/tmp/base    # before and after (one command line)
+      --baseline_tree=/tmp/base --clusters=3   # before and after (one
+      command line; 3 builds of every process: one build cannot decide 5 %)
 """
 
 from __future__ import annotations
