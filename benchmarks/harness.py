@@ -121,8 +121,9 @@ _CLUSTERS = flags.DEFINE_integer(
     "Main scenario: builds its processes (every system's cluster) this many "
     "times, each after the last is ended, and runs --repeats interleaved "
     "repeats on each; medians span them all. A system keeps the speed of "
-    "its build for all repeats on it (one build of the same code measured "
-    "0.84 x another): use 3 or more for a before/after within 5 %.",
+    "its build for all repeats on it (the same two trees measured 0.84 x in "
+    "one run and 1.02 x in the next): use 3 or more for a before/after "
+    "within 5 %.",
 )
 _DEFAULT_FUNCTIONS = {"w1": 60, "w2": 16, "w3": 30, "w4": 30}
 _WORKLOADS_ALL = ("w1", "w2", "w3")  # of the main scenario

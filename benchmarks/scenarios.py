@@ -40,10 +40,10 @@ def scenario_main(bench, workload, workers=2):
 def _main_on_new_processes(bench, workload, workers, cluster):
     """One build of the main scenario's processes and its repeats on them.
 
-    A system built once keeps its speed for every repeat on it (one build
-    measured 0.84 x another of the same code, the next build 1.02 x), so
-    the `cluster`-th build's records carry `cluster` and continue the
-    repeat count, and the medians span every build."""
+    A system built once keeps its speed for every repeat on it (the same
+    two trees measured 0.84 x in one run and 1.02 x in the next), so the
+    `cluster`-th build's records carry `cluster` and continue the repeat
+    count, and the medians span every build."""
     s = bench.s
     base = {
         "scenario": "main",
