@@ -76,7 +76,8 @@ def prune_log_dirs(parent: str, keep: int, stale_s: float = STALE_LOG_DIR_S):
     """
     found = []
     try:
-        entries = list(os.scandir(parent))
+        with os.scandir(parent) as listing:
+            entries = list(listing)
     except OSError:
         return []
     for entry in entries:
@@ -104,13 +105,14 @@ def _last_write_of_logs(entry) -> float | None:
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
             return None
         latest = info.st_mtime
-        for item in os.scandir(entry.path):
-            item_info = item.stat(follow_symlinks=False)
-            if not stat.S_ISREG(item_info.st_mode) or not item.name.endswith(
-                ".log"
-            ):
-                return None
-            latest = max(latest, item_info.st_mtime)
+        with os.scandir(entry.path) as items:
+            for item in items:
+                item_info = item.stat(follow_symlinks=False)
+                if not stat.S_ISREG(item_info.st_mode):
+                    return None
+                if not item.name.endswith(".log"):
+                    return None
+                latest = max(latest, item_info.st_mtime)
         return latest
     except OSError:
         return None

@@ -256,8 +256,9 @@ _TASK_LOG_DIR = flags.DEFINE_string(
     None,
     "Where the logs of the local cluster's tasks (ps0.log, worker0.log, ...) "
     "and TensorFlow's C++ log of the chief (chief.log) go. Default: a new "
-    "temporary directory, printed once (older ones beyond the newest 5 are "
-    "removed once nothing in them was written for a day).",
+    "temporary directory, printed once (older ones beyond the newest "
+    f"{console.KEPT_LOG_DIRS} are removed once nothing in them was written "
+    f"for {console.STALE_LOG_DIR_S // 3600} hours).",
 )
 
 
