@@ -364,6 +364,50 @@ class RiderTest(absltest.TestCase):
         writes = self._train(metric_before_gradients=True)
         self.assertEqual(writes[tf.float32], [False, False])
 
+    def test_writes_of_each_rank_ride_and_keep_their_values(self):
+        # As batch norm's moving statistics (rank 1) beside a scalar and a
+        # matrix: sliced apart on the ps by one split, reshaped back.
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        x, y = testutil.data("dense", 8)
+        with strategy.scope():
+            model = testutil.dense_model()
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.0))
+            scalar = tf.Variable(0.0)
+            vector = tf.Variable(tf.zeros([3]))
+            matrix = tf.Variable(tf.zeros([2, 2]))
+
+        def replica():
+            with tf.GradientTape() as tape:
+                loss = testutil.mean_loss(y, model(x))
+            scalar.assign_add(loss)
+            vector.assign(loss * tf.constant([1.0, 2.0, 3.0]))
+            matrix.assign(loss * tf.constant([[1.0, 2.0], [3.0, 4.0]]))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        function = tf.function(lambda: strategy.run(replica))
+        for _ in range(4):
+            coordinator.schedule(function)
+        coordinator.join()
+        loss = float(testutil.mean_loss(y, model(x)))
+        np.testing.assert_allclose(scalar.numpy(), 4 * loss, rtol=1e-5)
+        np.testing.assert_allclose(
+            vector.numpy(), loss * np.arange(1, 4), rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            matrix.numpy(), loss * np.array([[1, 2], [3, 4]]), rtol=1e-5
+        )
+        graph = function.get_concrete_function().graph
+        rode = [
+            "/job:ps" in op.inputs[1].op.device
+            for op in graph.get_operations()
+            if op.type in ("AssignAddVariableOp", "AssignVariableOp")
+            and op.inputs[1].dtype == tf.float32
+            and op.inputs[1].shape.rank in (0, 1, 2)
+        ]
+        self.assertGreaterEqual(rode.count(True), 3, rode)
+
 
 class SparseApplyPathTest(absltest.TestCase):
     def test_unique_rows_skip_only_a_pure_deduplication(self):
@@ -380,6 +424,68 @@ class SparseApplyPathTest(absltest.TestCase):
         self.assertTrue(check(legacy.Adam(0.1)))
         self.assertFalse(check(legacy.SGD(0.1)))  # scatters: no slot
         self.assertFalse(check(Own(0.1, momentum=0.9)))  # its own override
+
+
+class ApplyOrderTest(parameterized.TestCase):
+    """The step increment waits for every write of the update.
+
+    A lowered `tf.cond` (the push's apply) may yield its outputs before its
+    side effects finish, so `keras_compat.apply` orders the increment of
+    `iterations` after each variable, slot and constraint write it made;
+    without that nothing in the graph would (they touch other resources).
+    """
+
+    _WRITES = (
+        "Assign",
+        "ResourceApply",
+        "ResourceSparseApply",
+        "ResourceScatter",
+    )
+
+    @parameterized.parameters(*OPTIMIZERS)
+    def test_increment_follows_every_write(self, name):
+        from tf2sync._src import keras_compat
+
+        dense = tf.Variable(
+            tf.ones([3, 2]), constraint=tf.keras.constraints.NonNeg()
+        )
+        bias = tf.Variable(tf.ones([2]))
+        table = tf.Variable(tf.ones([5, 2]))
+        opt = OPTIMIZERS[name]()
+        keras_compat.build(opt, [dense, bias, table])
+        increments = []
+
+        @tf.function(autograph=False)
+        def step():
+            grads = [
+                tf.ones([3, 2]),
+                tf.ones([2]),
+                tf.IndexedSlices(
+                    tf.ones([2, 2]), tf.constant([0, 3], tf.int64), [5, 2]
+                ),
+            ]
+            increments.append(
+                keras_compat.apply(opt, zip(grads, [dense, bias, table]))
+            )
+
+        step.get_concrete_function()
+        (increment,) = increments
+        ancestors, stack = set(), [increment]
+        while stack:
+            op = stack.pop()
+            for before in [t.op for t in op.inputs] + list(op.control_inputs):
+                if before not in ancestors:
+                    ancestors.add(before)
+                    stack.append(before)
+        writes = [
+            op
+            for op in increment.graph.get_operations()
+            if op is not increment and op.type.startswith(self._WRITES)
+        ]
+        self.assertGreaterEqual(len(writes), 3, [o.type for o in writes])
+        self.assertEmpty(
+            [op.name for op in writes if op not in ancestors], name
+        )
 
 
 class RestoreTest(absltest.TestCase):

@@ -349,13 +349,12 @@ class Aggregator:
         by_key = {wire_lib.variable_key(v): g for g, v in grads_and_vars}
         packed = [
             tf.concat(
-                [
-                    tf.reshape(
-                        tf.convert_to_tensor(by_key[wire_lib.variable_key(v)]),
-                        [-1],
-                    )
-                    for v in group.variables
-                ],
+                wire_lib.flatten(
+                    [
+                        tf.convert_to_tensor(by_key[wire_lib.variable_key(v)])
+                        for v in group.variables
+                    ]
+                ),
                 axis=0,
             )
             for group in self._layout.dense
@@ -629,7 +628,9 @@ class Aggregator:
             n = tf.cast(count, group.dtype)
             flat = group.buffer.read_value() / n
             for var, part in zip(group.variables, tf.split(flat, group.sizes)):
-                grads_and_vars.append((tf.reshape(part, var.shape), var))
+                if var.shape.rank != 1:  # a split's part has rank 1
+                    part = tf.reshape(part, var.shape)
+                grads_and_vars.append((part, var))
         drained = self._drain_sparse(count, pushes)
         for slot, (idx, val) in zip(layout.sparse, drained):
             grads_and_vars.append(

@@ -167,32 +167,36 @@ def apply(optimizer, grads_and_vars) -> tf.Operation:
         ]
         with tf.control_dependencies(done):
             return optimizer.iterations.assign_add(1).op
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    first = 0 if graph is None else len(graph.get_operations())
     if is_legacy(optimizer):
         _apply_legacy(optimizer, grads_and_vars)
     else:
         _apply_new(optimizer, grads_and_vars)
     # The update kernels of the new family return None, and a lowered
-    # `tf.cond` may yield its outputs before its side effects finish. A read
-    # of every updated variable and slot afterwards (automatic control
-    # dependencies order ops on the same resource) makes the step increment,
-    # and everything after it, wait for all the writes. One element is
-    # enough: a full read would copy a whole embedding every step.
-    # A slot of a sharded variable is listed as one `ShardedVariable`.
-    written = [v for _, v in grads_and_vars] + [
-        v
-        for v in tf_internals.shards(optimizer.variables())
-        if v is not optimizer.iterations
-    ]
-    reads = [_touch(v) for v in written]
-    with tf.control_dependencies(reads):
+    # `tf.cond` may yield its outputs before its side effects finish. The
+    # step increment, and everything after it, waits for every stateful op
+    # the updates made here: control edges, no op of their own. (A read of
+    # each variable and slot ordered after its write took an op per
+    # variable on the ps every step: 428 one-row gathers on ResNet-50, and
+    # 0.7 s of its trace.) Reads are inputs of the writes, or order nothing.
+    writes = [] if graph is None else _stateful_writes(graph, first)
+    with tf.control_dependencies(writes):
         return optimizer.iterations.assign_add(1).op
 
 
-def _touch(variable):
-    """A read of `variable` that copies at most one row."""
-    if variable.shape.rank == 0:
-        return tf.identity(variable.read_value())
-    return variable.sparse_read([0])
+_READS = frozenset(
+    ("ReadVariableOp", "ResourceGather", "VarIsInitializedOp", "VarHandleOp")
+)
+
+
+def _stateful_writes(graph, first):
+    """The stateful ops of `graph` from its `first`th on, but reads."""
+    return [
+        op
+        for op in graph.get_operations()[first:]
+        if op.type not in _READS and tf_internals.op_is_stateful(op)
+    ]
 
 
 def _dedups_then_applies(optimizer) -> bool:

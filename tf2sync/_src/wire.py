@@ -154,7 +154,7 @@ class Wire:
             ids, values = sparse[i]
             parts.append(tf.reshape(tf.bitcast(ids, self.DTYPE), [-1]))
             parts.append(tf.reshape(values, [-1]))
-        parts += [tf.reshape(r, [-1]) for r in self._riders]
+        parts += flatten(self._riders)
         self.tensor = tf.concat(parts, axis=0)
 
     def inputs(self):
@@ -174,15 +174,21 @@ class Wire:
 
     def riders(self, tensor):
         """The riders' values, sliced on the ps from the wire `tensor` there."""
-        offset = -sum(r.shape.num_elements() for r in self._riders)
-        values = []
+        if not self._riders:
+            return []
+        sizes = [r.shape.num_elements() for r in self._riders]
+        total = sum(sizes)
         with tf.device(self._device):
-            for rider in self._riders:
-                end = offset + rider.shape.num_elements()
-                piece = tensor[offset : end or None]
-                values.append(tf.reshape(piece, rider.shape))
-                offset = end
-        return values
+            # One slice and one split for all of them, not a slice each:
+            # ResNet-50's 106 batch-norm statistics took 636 ops of the
+            # ps's share of every step.
+            pieces = tf.split(tensor[-total:] if total else tensor[:0], sizes)
+            return [
+                piece
+                if rider.shape.rank == 1
+                else tf.reshape(piece, rider.shape)
+                for rider, piece in zip(self._riders, pieces)
+            ]
 
     def unpack(self, tensor, packed, sparse, worker):
         """`{"packed", "sparse", "worker"}` as they arrived (on the ps)."""
@@ -217,6 +223,24 @@ class Wire:
             at += n * width
             sparse[i] = (ids, values)
         return {"packed": packed, "sparse": sparse, "worker": worker}
+
+
+def flatten(tensors) -> list:
+    """`tensors`, each reshaped to one dimension where it has another rank.
+
+    The reshapes share one shape constant: a model of hundreds of
+    variables otherwise adds hundreds of ops to every step's graph, each
+    traced, set up and run.
+    """
+    flat = []
+    minus_one = None
+    for t in tensors:
+        if t.shape.rank != 1:
+            if minus_one is None:
+                minus_one = tf.constant([-1], tf.int32)
+            t = tf.reshape(t, minus_one)
+        flat.append(t)
+    return flat
 
 
 def dedup(grad):
