@@ -312,6 +312,15 @@ class WireTest(absltest.TestCase):
             np.testing.assert_array_equal(got, sent)
 
 
+def _run_on(coordinator, strategy, replica, times):
+    """Schedules `replica` as a function `times` and joins; returns it."""
+    function = tf.function(lambda: strategy.run(replica))
+    for _ in range(times):
+        coordinator.schedule(function)
+    coordinator.join()
+    return function
+
+
 class RiderTest(absltest.TestCase):
     """A step's metric writes take their values from the push, on the ps."""
 
@@ -337,10 +346,7 @@ class RiderTest(absltest.TestCase):
                     grads = [tf.identity(g) for g in grads]
             opt.apply_gradients(zip(grads, model.trainable_variables))
 
-        function = tf.function(lambda: strategy.run(replica))
-        for _ in range(6):
-            coordinator.schedule(function)
-        coordinator.join()
+        function = _run_on(coordinator, strategy, replica, 6)
         expected = float(testutil.mean_loss(y, model(x)))
         self.assertAlmostEqual(float(mean.result()), expected, places=5)
         self.assertEqual(int(calls.numpy()), 6)
@@ -386,10 +392,7 @@ class RiderTest(absltest.TestCase):
             grads = tape.gradient(loss, model.trainable_variables)
             opt.apply_gradients(zip(grads, model.trainable_variables))
 
-        function = tf.function(lambda: strategy.run(replica))
-        for _ in range(4):
-            coordinator.schedule(function)
-        coordinator.join()
+        function = _run_on(coordinator, strategy, replica, 4)
         loss = float(testutil.mean_loss(y, model(x)))
         np.testing.assert_allclose(scalar.numpy(), 4 * loss, rtol=1e-5)
         np.testing.assert_allclose(
