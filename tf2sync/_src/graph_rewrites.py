@@ -17,6 +17,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf2sync._src import tf_internals
+from tf2sync._src import wire
 
 
 class PackedReads:
@@ -105,12 +106,12 @@ class PackedReads:
             with tf.device(key[0]):
                 flat_rows = [tf.reshape(g.outputs[0], [-1]) for _, g in lookups]
                 packed = tf.concat(
-                    [
-                        tf.reshape(
-                            tf_internals.cached_read(v).op.inputs[0], [-1]
-                        )
-                        for v in group
-                    ]
+                    wire.flatten(
+                        [
+                            tf_internals.cached_read(v).op.inputs[0]
+                            for v in group
+                        ]
+                    )
                     + flat_rows,
                     axis=0,
                 )
@@ -134,7 +135,10 @@ class PackedReads:
                 )
             pieces = tf.split(packed, sizes, num=len(group) + len(lookups))
             for var, piece in zip(group, pieces):
-                piece = tf.reshape(piece, var.shape)
+                if var.shape.rank == 1:  # no op: its length, if unknown
+                    piece.set_shape(var.shape)
+                else:
+                    piece = tf.reshape(piece, var.shape)
                 tf_internals.update_op_input(
                     tf_internals.cached_read(var).op, 0, piece
                 )
