@@ -124,8 +124,8 @@ class ServicePassTest(parameterized.TestCase):
         this once lasted 3 epochs: worker 1 took all 48 batches), so a
         worker without an accepted gradient yet gets up to
         `_EXTRA_EPOCHS` more epochs, each a new pass (`another_epoch()`
-        returns its history; the `accepted_w<i>` totals count from the
-        start). A worker whose iterator never gives an element fails.
+        returns its history's logs; the `accepted_w<i>` totals count from
+        the start). A worker whose iterator never gives an element fails.
         """
         for _ in range(_EXTRA_EPOCHS):
             if all(logs[f"accepted_w{i}"][-1] > 0 for i in range(w)):
@@ -165,24 +165,18 @@ class ServicePassTest(parameterized.TestCase):
         )
         flushes = _recording_flushes(aggregator, model)
         initial = _rows(model)
-        history = trainer.train(
-            tf2sync.ServicePassPerEpoch(_ids(n, batch), _service()),
-            epochs=3,
-        )
+
+        def train(epochs):  # a new pass object per call
+            return trainer.train(
+                tf2sync.ServicePassPerEpoch(_ids(n, batch), _service()),
+                epochs=epochs,
+            ).history
+
+        logs = train(3)
         self._check_epochs(flushes, initial, n, w, 3)
-        logs = history.history
         self.assertEqual(logs["stale_dropped"][-1], 0)
         print("steps per pass:", logs["pass_steps"], [f[0] for f in flushes])
-        self._assert_every_worker_takes_part(
-            w,
-            logs,
-            lambda: (
-                trainer.train(
-                    tf2sync.ServicePassPerEpoch(_ids(n, batch), _service()),
-                    epochs=1,
-                ).history
-            ),
-        )
+        self._assert_every_worker_takes_part(w, logs, lambda: train(1))
 
     @parameterized.parameters(
         # (examples, batch size, steps_per_epoch, steps per function,
@@ -203,30 +197,21 @@ class ServicePassTest(parameterized.TestCase):
             )
         flushes = _recording_flushes(aggregator, model)
         initial = _rows(model)
-        history = model.fit(
-            tf2sync.ServicePassPerEpoch(_ids(n, batch), _service()),
-            epochs=3,
-            steps_per_epoch=steps,
-            verbose=0,
-            callbacks=[tf2sync.SyncMetrics()],
-        )
+
+        def fit(epochs):  # a new pass object per call
+            return model.fit(
+                tf2sync.ServicePassPerEpoch(_ids(n, batch), _service()),
+                epochs=epochs,
+                steps_per_epoch=steps,
+                verbose=0,
+                callbacks=[tf2sync.SyncMetrics()],
+            ).history
+
+        logs = fit(3)
         self._check_epochs(flushes, initial, n, w, 3)
-        logs = history.history
         self.assertEqual(logs["stale_dropped"][-1], 0)
         self.assertTrue(np.all(np.isfinite(logs["loss"])), logs)
-        self._assert_every_worker_takes_part(
-            w,
-            logs,
-            lambda: (
-                model.fit(
-                    tf2sync.ServicePassPerEpoch(_ids(n, batch), _service()),
-                    epochs=1,
-                    steps_per_epoch=steps,
-                    verbose=0,
-                    callbacks=[tf2sync.SyncMetrics()],
-                ).history
-            ),
-        )
+        self._assert_every_worker_takes_part(w, logs, lambda: fit(1))
 
     def test_fit_again_with_a_new_pass_object(self):
         # Each fit call's steps mark the passes of its own pass object (a

@@ -324,14 +324,20 @@ def _run_on(coordinator, strategy, replica, times):
 class RiderTest(absltest.TestCase):
     """A step's metric writes take their values from the push, on the ps."""
 
-    def _train(self, metric_before_gradients=False):
+    def _cluster(self):
+        """`(strategy, coordinator, x, y, model, optimizer)`: 2 workers;
+        learning rate 0, so every step's loss is the initial weights'."""
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         x, y = testutil.data("dense", 8)
         with strategy.scope():
             model = testutil.dense_model()
-            # Learning rate 0: every step's loss is the initial weights'.
             opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.0))
+        return strategy, coordinator, x, y, model, opt
+
+    def _train(self, metric_before_gradients=False):
+        strategy, coordinator, x, y, model, opt = self._cluster()
+        with strategy.scope():
             mean = tf.keras.metrics.Mean()
             calls = tf.Variable(0, dtype=tf.int64)  # int64: never rides
 
@@ -373,12 +379,8 @@ class RiderTest(absltest.TestCase):
     def test_writes_of_each_rank_ride_and_keep_their_values(self):
         # As batch norm's moving statistics (rank 1) beside a scalar and a
         # matrix: sliced apart on the ps by one split, reshaped back.
-        strategy = testutil.strategy(2, replicas_to_aggregate=2)
-        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        x, y = testutil.data("dense", 8)
+        strategy, coordinator, x, y, model, opt = self._cluster()
         with strategy.scope():
-            model = testutil.dense_model()
-            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.0))
             scalar = tf.Variable(0.0)
             vector = tf.Variable(tf.zeros([3]))
             matrix = tf.Variable(tf.zeros([2, 2]))
