@@ -1,5 +1,6 @@
 """model.fit under SyncParameterServerStrategy."""
 
+import contextlib
 import logging
 from unittest import mock
 
@@ -46,6 +47,22 @@ def _steps_by_function(model):
     return {id(f): steps for steps, f in functions.items()}
 
 
+@contextlib.contextmanager
+def _scheduled_steps(model):
+    """Yields a list that collects the steps of each function `fit` of
+    `model` schedules, in order."""
+    coordinator_class = sync_coordinator.SyncCoordinator
+    scheduled = []
+    schedule = coordinator_class.schedule
+
+    def recording(coordinator, fn, args=None, kwargs=None):
+        scheduled.append(_steps_by_function(model).get(id(fn)))
+        return schedule(coordinator, fn, args=args, kwargs=kwargs)
+
+    with mock.patch.object(coordinator_class, "schedule", recording):
+        yield scheduled
+
+
 def _ops(function):
     """Op types of every trace of a `tf.function`."""
     return {
@@ -69,14 +86,17 @@ class FitTest(parameterized.TestCase):
         # Groups of 3 copies: the first group, a tf.while_loop over 2, then
         # 1 step unrolled.
         ("spe10_odd_steps_grouped", 10, 41, True, 3),
-        # An epoch of 10 + 10 + 6 steps: the last 6 split over the 2
-        # workers (3 + 3), their function copying the first one's trace of
-        # the step (loops.StepTraces).
-        ("spe10_last_6_steps_split", 10, 26),
-        # 10 + 10 + 7: the last 7 as 4 + 3, two functions, both planned.
-        ("spe10_last_7_steps_split_unevenly", 10, 27),
+        # An epoch of 10 + 10 + 6 steps: the last 6 as single steps, the
+        # function the first call set up.
+        ("spe10_last_6_single_steps", 10, 26),
+        # Groups of 3: the last 6 past one group, split over the 2 workers
+        # (3 + 3), their function copying the first one's trace of the step
+        # (loops.StepTraces).
+        ("spe10_last_6_past_a_group_split", 10, 26, True, 3),
         # Epochs shorter than steps_per_execution: 3 + 3 each.
         ("spe10_epochs_of_6_split", 10, 6),
+        # 7 each: 4 + 3, two functions, both planned.
+        ("spe10_epochs_of_7_split_unevenly", 10, 7),
     )
     def test_fit_matches_full_batch_reference(
         self, spe, steps_per_epoch, unroll=None, group=None
@@ -162,12 +182,17 @@ class FitTest(parameterized.TestCase):
             functions = model.train_function.functions
             if steps_per_epoch >= spe:
                 self.assertEqual("While" in _ops(functions[spe]), bool(group))
-            # The steps of an epoch's last call (fewer than spe) run split
-            # over both workers, in halves (rounded up).
             rest = steps_per_epoch % spe
-            if rest > 1:
+            if steps_per_epoch < spe or rest > (group or spe):
+                # Calls of fewer steps than spe that are the whole epoch, or
+                # past one group, run split over both workers, in halves
+                # (rounded up).
                 self.assertIn(-(-rest // 2), functions)
                 self.assertNotIn(rest, functions)
+            elif rest > 1:
+                # An epoch's last call runs as single steps: no function of
+                # its own.
+                self.assertEqual(sorted(functions), [1, spe])
 
     def test_unrolled_fit_repeats_the_step_instead_of_looping(self):
         model = _compiled(steps_per_execution=5)
@@ -196,17 +221,23 @@ class FitTest(parameterized.TestCase):
         x, y = testutil.data("dense", 32)
         ds = tf.data.Dataset.from_tensors((x, y)).repeat()
         model.fit(ds, epochs=2, steps_per_epoch=13, verbose=0)
-        # Functions of 5 steps, and of 2 and 1 (an epoch's last 3 steps,
-        # split over the workers), the step's Python traced once.
-        self.assertEqual(sorted(model.train_function.functions), [1, 2, 5])
+        # Functions of 1 step (the first call's, and an epoch's last 3
+        # steps) and of 5, the step's Python traced once.
+        self.assertEqual(sorted(model.train_function.functions), [1, 5])
         self.assertEqual(traced, [32])
         self.assertEqual(int(model.optimizer.iterations.numpy()), 13)
+        # Epochs of 3 steps, split over the workers: 2 + 1, the function of
+        # 2 copying the same trace.
+        model.fit(ds, epochs=2, steps_per_epoch=3, verbose=0)
+        self.assertEqual(sorted(model.train_function.functions), [1, 2, 5])
+        self.assertEqual(traced, [32])
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 16)
         # Batches of another shape: a trace of their own, which the
-        # functions of both lengths copy.
+        # functions of every length copy.
         half = tf.data.Dataset.from_tensors((x[:16], y[:16])).repeat()
         model.fit(half, epochs=1, steps_per_epoch=13, verbose=0)
         self.assertEqual(traced, [32, 16])
-        self.assertEqual(int(model.optimizer.iterations.numpy()), 19)
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 22)
 
     def test_fits_first_call_runs_single_steps(self):
         # The workers first set up a function of one step copy; the
@@ -214,15 +245,7 @@ class FitTest(parameterized.TestCase):
         model = _compiled(steps_per_execution=5)
         x, y = testutil.data("dense", 32)
         ds = tf.data.Dataset.from_tensors((x, y)).repeat()
-        coordinator_class = sync_coordinator.SyncCoordinator
-        scheduled = []
-        schedule = coordinator_class.schedule
-
-        def recording(coordinator, fn, args=None, kwargs=None):
-            scheduled.append(_steps_by_function(model).get(id(fn)))
-            return schedule(coordinator, fn, args=args, kwargs=kwargs)
-
-        with mock.patch.object(coordinator_class, "schedule", recording):
+        with _scheduled_steps(model) as scheduled:
             model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
             self.assertEqual(scheduled, [1] * 5 + [5])
             self.assertEqual(int(model.optimizer.iterations.numpy()), 5)
@@ -248,6 +271,21 @@ class FitTest(parameterized.TestCase):
             )
         model.fit(ds, epochs=1, steps_per_epoch=8, verbose=0)
         self.assertEqual(sorted(model.train_function.functions), [4])
+
+    def test_an_epochs_last_call_runs_single_steps(self):
+        # 13 steps of 5: the last 3 of each epoch as single-step functions,
+        # which the workers set up for the first call, and no function of
+        # 3 steps (nor pieces of it) for the first epoch to wait for.
+        model = _compiled(steps_per_execution=5)
+        x, y = testutil.data("dense", 32)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        with _scheduled_steps(model) as scheduled:
+            model.fit(ds, epochs=2, steps_per_epoch=13, verbose=0)
+        self.assertEqual(scheduled, [1] * 5 + [5, 1, 1, 1] + [5, 5, 1, 1, 1])
+        self.assertEqual(sorted(model.train_function.functions), [1, 5])
+        # Each step once: 26 pushes, 13 updates of 2.
+        self.assertEqual(int(model._train_counter.numpy()), 26)
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 13)
 
     def test_fit_repeats_its_steps_by_default_and_can_be_told_not_to(self):
         model = _compiled(steps_per_execution=5)

@@ -17,9 +17,9 @@ than inlining it: 0.70-0.76 x the examples/s on w1 and w3), and tracing
 the step again per copy costs a step's trace per copy
 (docs/performance.md, "Time to the first update"). Functions that repeat
 the same step can share that trace through a `StepTraces`: `fit`'s
-function of K steps, the single-step function its first call runs
-(`Trainer`'s first loop too), and the pieces of an epoch's last, shorter
-call.
+function of K steps, the single-step function its first call and an
+epoch's last, shorter call run (`Trainer`'s first loop too), and the
+pieces of a call split over the workers.
 """
 
 from __future__ import annotations
@@ -138,12 +138,13 @@ class StepTraces:
 
     `repeat` traces its step once per function; given the same
     `StepTraces`, a second function copies the first one's trace instead
-    (`fit`'s function for an epoch's last steps: on the digits job its
-    trace took 0.76 s of the first epoch; `fit`'s and `Trainer`'s full
-    function after their first call's single steps). A trace serves another
-    function when it takes the same kinds of carry and inputs and captured
-    nothing of the function it was traced in (only variables and other
-    values from outside it); otherwise that function traces its own.
+    (`fit`'s and `Trainer`'s full function after their first call's
+    single steps: on the digits job a second trace took 0.76 s of the
+    first epoch; the pieces of a call `fit` splits over the workers). A
+    trace serves another function when it takes the same kinds of carry
+    and inputs and captured nothing of the function it was traced in (only
+    variables and other values from outside it); otherwise that function
+    traces its own.
     """
 
     def __init__(self):

@@ -142,8 +142,8 @@ def _scheduler(model, coordinator, sync):
       holds the traced functions by steps.
     """
     functions = {}
-    # One trace of the step for the functions of one kind (fit traces a
-    # function for an epoch's last steps too).
+    # One trace of the step for the functions of one kind (fit's of
+    # several lengths: single steps, the full call, a split call's pieces).
     traces = {}
 
     def function_of(steps, service):
@@ -199,20 +199,34 @@ def _pieces(steps, handler, coordinator, first, group) -> list:
     `SyncOptions.max_unrolled_steps`); the first epoch then ends about
     when it did.
 
-    A call of fewer steps than `steps_per_execution` (an epoch's last; or
-    every call, when an epoch is shorter than `steps_per_execution`, which
-    tf_keras then lowers for the whole `fit`) is split over the workers:
-    its steps run side by side rather than on one worker while the others
-    wait for the epoch's end, and each worker sets up a function of a few
-    copies at once instead of one of all of them, the first on one worker
-    and later on each of the others. E.g. 6 steps on 2 workers: 3 + 3; 7:
-    4 + 3. The same steps run, each once.
+    A call of fewer steps than `steps_per_execution` is an epoch's last, or
+    every call when an epoch is shorter than `steps_per_execution` (which
+    tf_keras then lowers for the whole `fit`):
+
+    - An epoch's last call, its steps within one group, runs as single-step
+      functions: the workers set up the one-step function once (the first
+      call's, where it ran on single steps) and no function of the last
+      call's length, which the first epoch would wait for. On digits (46
+      steps of 10, 2 workers) the first epoch took 1.44 s rather than
+      1.73 s and each later one 0.11 s rather than 0.095 s (medians of 9;
+      docs/performance.md): a one-off set-up, which grows with the model,
+      for a few dispatches per epoch.
+    - Otherwise the call is split over the workers: its steps run side by
+      side rather than on one worker while the others wait for the epoch's
+      end. E.g. 6 steps on 2 workers: 3 + 3; 7: 4 + 3.
+
+    The same steps run, each once.
     """
     if first and loops.starts_on_single_steps(steps, group):
         return [1] * steps
     full = getattr(handler, "_tf2sync_steps_per_execution", None)
+    if full is None or steps >= full or steps < 2:
+        return [steps]
+    position = tf_internals.fit_epoch_position(handler)
+    if position is not None and position[1] > steps and steps <= group:
+        return [1] * steps
     workers = len(tf_internals.coordinator_workers(coordinator))
-    if full is None or steps >= full or steps < 2 or workers < 2:
+    if workers < 2:
         return [steps]
     size = -(-steps // min(workers, steps))
     pieces = [size] * (steps // size)
@@ -380,10 +394,10 @@ def _plan(coordinator, functions, handler):
     """Caps the run's updates at what its epochs planned
     (`SyncCoordinator.plan_epoch`), at each epoch's first call: a function
     re-run after a worker fault then adds no update. `functions` are the
-    call's (more than one when it is split over the workers: `_pieces`),
-    all under the cap. A call whose epoch has no known length, or that
-    resumes inside an epoch, lifts the cap instead (nothing to plan
-    from)."""
+    call's (more than one when it runs as single steps or is split over
+    the workers: `_pieces`), all under the cap. A call whose epoch has no
+    known length, or that resumes inside an epoch, lifts the cap instead
+    (nothing to plan from)."""
     if not hasattr(coordinator, "plan_epoch"):
         return
     if data_service.pass_of(handler) is not None:
