@@ -41,6 +41,12 @@ def _compiled(learning_rate=0.05, **compile_kwargs):
     return model
 
 
+def _full_batches():
+    """`(x, y, dataset)`: a dense batch of 32 and a dataset repeating it."""
+    x, y = testutil.data("dense", 32)
+    return x, y, tf.data.Dataset.from_tensors((x, y)).repeat()
+
+
 def _steps_by_function(model):
     """{id(function): steps} of the functions fit's train function made."""
     functions = getattr(model.train_function, "functions", {})
@@ -122,8 +128,7 @@ class FitTest(parameterized.TestCase):
             )
         if unroll is not None:
             tf2sync.unroll_fit_steps(model, unroll)
-        x, y = testutil.data("dense", 32)
-        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        x, y, ds = _full_batches()
         warnings = []
         handler = logging.Handler(logging.WARNING)
         handler.emit = lambda record: warnings.append(record.getMessage())
@@ -197,8 +202,7 @@ class FitTest(parameterized.TestCase):
     def test_unrolled_fit_repeats_the_step_instead_of_looping(self):
         model = _compiled(steps_per_execution=5)
         self.assertIs(tf2sync.unroll_fit_steps(model), model)
-        x, y = testutil.data("dense", 32)
-        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        x, y, ds = _full_batches()
         model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
         traces = model.train_tf_function._list_all_concrete_functions()
         self.assertNotEmpty(traces)
@@ -218,8 +222,7 @@ class FitTest(parameterized.TestCase):
             return keras_step(data)
 
         model.train_step = train_step
-        x, y = testutil.data("dense", 32)
-        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        x, y, ds = _full_batches()
         model.fit(ds, epochs=2, steps_per_epoch=13, verbose=0)
         # Functions of 1 step (the first call's, and an epoch's last 3
         # steps) and of 5, the step's Python traced once.
@@ -243,8 +246,7 @@ class FitTest(parameterized.TestCase):
         # The workers first set up a function of one step copy; the
         # function of all the copies serves the calls after it.
         model = _compiled(steps_per_execution=5)
-        x, y = testutil.data("dense", 32)
-        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        x, y, ds = _full_batches()
         with _scheduled_steps(model) as scheduled:
             model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
             self.assertEqual(scheduled, [1] * 5 + [5])
@@ -277,8 +279,7 @@ class FitTest(parameterized.TestCase):
         # which the workers set up for the first call, and no function of
         # 3 steps (nor pieces of it) for the first epoch to wait for.
         model = _compiled(steps_per_execution=5)
-        x, y = testutil.data("dense", 32)
-        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        x, y, ds = _full_batches()
         with _scheduled_steps(model) as scheduled:
             model.fit(ds, epochs=2, steps_per_epoch=13, verbose=0)
         self.assertEqual(scheduled, [1] * 5 + [5, 1, 1, 1] + [5, 5, 1, 1, 1])
@@ -289,8 +290,7 @@ class FitTest(parameterized.TestCase):
 
     def test_fit_repeats_its_steps_by_default_and_can_be_told_not_to(self):
         model = _compiled(steps_per_execution=5)
-        x, y = testutil.data("dense", 32)
-        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        x, y, ds = _full_batches()
         model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
         self.assertNotIn("While", _ops(model.train_function.functions[5]))
         # Opting out afterwards: tf_keras's own function and loop again.
@@ -317,8 +317,7 @@ class FitTest(parameterized.TestCase):
                 loss=testutil.LOSS,
                 steps_per_execution=2,
             )
-        x, y = testutil.data("dense", 32)
-        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        x, y, ds = _full_batches()
         model.fit(ds, epochs=1, steps_per_epoch=4, verbose=0)
         self.assertNotEmpty(made)
         self.assertIn("While", _ops(model.train_tf_function))
@@ -341,8 +340,7 @@ class FitTest(parameterized.TestCase):
         # fit's data handler reads it before every function it schedules.
         model = _compiled(steps_per_execution=5)
         self.assertIn("/job:ps", model._steps_per_execution.device)
-        x, y = testutil.data("dense", 32)
-        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        x, y, ds = _full_batches()
         model.fit(ds, epochs=1, steps_per_epoch=7, verbose=0)  # 5, then 2
         moved = model._steps_per_execution
         self.assertNotIn("/job:ps", moved.device)
@@ -361,8 +359,7 @@ class FitTest(parameterized.TestCase):
     def test_logged_loss_is_exact_with_its_writes_riding_the_push(self):
         # Learning rate 0: every step's loss is the initial weights'.
         model = _compiled(learning_rate=0.0, steps_per_execution=5)
-        x, y = testutil.data("dense", 32)
-        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        x, y, ds = _full_batches()
         history = model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
         expected = float(testutil.LOSS(y, model(x)))
         self.assertAlmostEqual(history.history["loss"][0], expected, places=5)
@@ -427,8 +424,7 @@ class FitTest(parameterized.TestCase):
     def test_validation_and_evaluate_leave_weights_and_tokens(self):
         model = _compiled(metrics=["accuracy"])
         optimizer = model.optimizer
-        x, y = testutil.data("dense", 32)
-        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        x, y, ds = _full_batches()
         val = tf.data.Dataset.from_tensors((x, y)).repeat()
         history = model.fit(
             ds,
@@ -460,8 +456,7 @@ class FitTest(parameterized.TestCase):
         # dataset and visits each element once. The "must repeat" guard
         # lets it through, and the result is the exact full-data metrics.
         model = _compiled(metrics=["accuracy"], pss_evaluation_shards=4)
-        x, y = testutil.data("dense", 32)
-        train = tf.data.Dataset.from_tensors((x, y)).repeat()
+        x, y, train = _full_batches()
         model.fit(train, epochs=1, steps_per_epoch=4, verbose=0)
         # 29 rows: the last batch is partial, and each row counts once.
         finite = tf.data.Dataset.from_tensor_slices((x[:29], y[:29])).batch(8)
