@@ -477,6 +477,88 @@ class FitTest(parameterized.TestCase):
             model.fit(finite, epochs=1, steps_per_epoch=2, verbose=0)
 
 
+def _two_table_model(seed=0):
+    """Two embedding tables and two dense layers: 6 variables, spread over
+    the ps tasks."""
+    tf.keras.utils.set_random_seed(seed)
+    ids = tf.keras.Input((5,), dtype="int64")
+    pooled = [
+        tf.keras.layers.GlobalAveragePooling1D()(
+            tf.keras.layers.Embedding(50, 4, name=name)(ids)
+        )
+        for name in ("table_a", "table_b")
+    ]
+    hidden = tf.keras.layers.Dense(8, activation="relu")(
+        tf.keras.layers.Concatenate()(pooled)
+    )
+    return tf.keras.Model(ids, tf.keras.layers.Dense(3)(hidden))
+
+
+class EpochEndGridTest(parameterized.TestCase):
+    """An epoch's last call (single steps) and short epochs (split over the
+    workers) across cluster shapes, with and without backup workers."""
+
+    @parameterized.named_parameters(
+        ("1ps_2workers", 1, 2, 2, None),
+        ("2ps_3workers_1_backup", 2, 3, 2, 3),
+        ("3ps_2workers", 3, 2, 2, None),
+        ("3ps_3workers", 3, 3, 3, None),
+    )
+    def test_every_step_once_and_the_reference_weights(
+        self, num_ps, workers, rta, total
+    ):
+        # Every worker sees the same full batch: each update is the
+        # full-batch step, so U updates must land on U reference steps.
+        strategy = testutil.strategy(
+            workers, num_ps, replicas_to_aggregate=rta, total_num_replicas=total
+        )
+        opt_fn = lambda: tf.keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+        with strategy.scope():
+            model = _two_table_model()
+            optimizer = tf2sync.SyncOptimizer(opt_fn())
+            model.compile(
+                optimizer=optimizer, loss=testutil.LOSS, steps_per_execution=5
+            )
+        self.assertLen(
+            {v.device for v in model.trainable_variables}, min(num_ps, 6)
+        )
+        x, y = testutil.data("sparse", 32)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        with _scheduled_steps(model) as scheduled:
+            model.fit(ds, epochs=2, steps_per_epoch=13, verbose=0)
+            # Epochs shorter than steps_per_execution: split, 2 + 2.
+            model.fit(ds, epochs=1, steps_per_epoch=4, verbose=0)
+        self.assertEqual(
+            scheduled, [1] * 5 + [5, 1, 1, 1] + [5, 5, 1, 1, 1] + [2, 2]
+        )
+        pushes = 30
+        self.assertEqual(int(model._train_counter.numpy()), pushes)
+        accepted = int(optimizer.gradients_accepted.numpy())
+        stale = int(optimizer.stale_dropped.numpy())
+        self.assertEqual(accepted + stale, pushes)
+        updates = int(optimizer.iterations.numpy())
+        self.assertEqual(updates, accepted // rta)
+        aggregator = sync_coordinator.core_aggregator(strategy)
+        if total is None:  # no backups: nothing stale, the plan exact
+            self.assertEqual(stale, 0)
+            self.assertEqual(updates, pushes // rta)
+            self.assertEqual(int(aggregator.step_limit.numpy()), updates)
+        else:
+            self.assertGreater(updates, 0)
+        reference = _two_table_model()
+        reference_opt = opt_fn()
+        for _ in range(updates):
+            with tf.GradientTape() as tape:
+                loss = testutil.mean_loss(y, reference(x))
+            variables = reference.trainable_variables
+            grads = tape.gradient(loss, variables)
+            reference_opt.apply_gradients(zip(grads, variables))
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), reference.get_weights()),
+            1e-5,
+        )
+
+
 class InputTest(absltest.TestCase):
     def test_cpu_workers_iterate_the_wrapped_dataset_in_order(self):
         # What fit builds (a distributed dataset) and what Trainer builds
