@@ -147,8 +147,8 @@ class CallbacksTest(absltest.TestCase):
             self.assertGreater(float(row["examples_per_s"]), 0)
             self.assertGreater(float(row["sync_steps_per_s"]), 0)
 
-    def _epoch_lines(self, sync_metrics):
-        model = _compiled()
+    def _epoch_lines(self, *callbacks, model=None):
+        model = model or _compiled()
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             history = model.fit(
@@ -156,7 +156,7 @@ class CallbacksTest(absltest.TestCase):
                 epochs=2,
                 steps_per_epoch=4,
                 verbose=2,
-                callbacks=[sync_metrics],
+                callbacks=list(callbacks),
             )
         lines = [
             line for line in out.getvalue().splitlines() if "/4 - " in line
@@ -190,6 +190,24 @@ class CallbacksTest(absltest.TestCase):
         for line in lines:
             for shown in ("accepted_w0", "stale_w1", "barrier_wait_s_epoch"):
                 self.assertIn(shown, line)
+
+    def test_another_progress_bar_prints_instead_not_as_well(self):
+        # Listed after SyncMetrics, the user's bar prints its logs: every
+        # figure, one line per epoch.
+        model = _compiled()
+        sync_metrics = tf2sync.SyncMetrics(batch_size=32)
+        lines = self._epoch_lines(
+            sync_metrics,
+            tf.keras.callbacks.ProgbarLogger(count_mode="steps"),
+            model=model,
+        )
+        for line in lines:
+            for shown in ("sync_steps:", "accepted_w0", "examples_per_s"):
+                self.assertIn(shown, line)
+        # Alone in the next fit, SyncMetrics prints its own line again.
+        for line in self._epoch_lines(sync_metrics, model=model):
+            self.assertIn("examples_per_s:", line)
+            self.assertNotIn("accepted_w0", line)
 
     def test_sync_metrics_refuses_bad_arguments(self):
         with self.assertRaisesRegex(ValueError, "batch_size=0"):

@@ -7,6 +7,8 @@ import time
 
 import tf_keras
 
+from tf2sync._src import tf_internals
+
 
 def find_sync_optimizer(optimizer):
     """The `SyncOptimizer` in `optimizer` (itself, or under loss scaling)."""
@@ -111,8 +113,9 @@ class SyncMetrics(tf_keras.callbacks.ProgbarLogger):
     uses instead of its own; `verbose` of `fit` still applies): the epoch
     line shows the loss, the metrics, `sync_steps`, `stale_dropped`,
     `examples_per_s` and `nonfinite_dropped` when not 0; every figure stays
-    in the logs. Do not pass another `ProgbarLogger` with it (both would
-    print). The line shows what the logs hold when `SyncMetrics` runs:
+    in the logs. Given another `ProgbarLogger` too, `fit` prints that one's
+    lines (every figure) and `SyncMetrics` only adds its figures to the
+    logs. The line shows what the logs hold when `SyncMetrics` runs:
     list it after callbacks that add to the logs (`ReduceLROnPlateau`'s
     `lr`) and before those that record them (`CSVLogger`, `TensorBoard`).
     """
@@ -145,6 +148,16 @@ class SyncMetrics(tf_keras.callbacks.ProgbarLogger):
         self._batch_size = batch_size
         self.show_all = verbose
         self._start = None
+
+    def on_train_begin(self, logs=None):
+        # Another progress bar in fit's callbacks prints instead: one line
+        # per epoch, not two.
+        if any(
+            isinstance(c, tf_keras.callbacks.ProgbarLogger) and c is not self
+            for c in tf_internals.running_fit_callbacks(self.model)
+        ):
+            self.verbose = 0
+        super().on_train_begin(logs)
 
     def _shown(self, logs):
         if logs is None or self.show_all:

@@ -831,6 +831,18 @@ def fit_epoch_position(handler):
     return current, total
 
 
+def _running_fit_local(model, name):
+    """The local `name` of the frame of `fit` of `model` on the stack (None
+    if no such frame)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code, names = frame.f_code, frame.f_locals
+        if code.co_name == "fit" and names.get("self") is model:
+            return names.get(name)
+        frame = frame.f_back
+    return None
+
+
 def running_fit_data_handler(model):
     """The data handler of the `fit` of `model` on the stack, or None.
 
@@ -838,13 +850,18 @@ def running_fit_data_handler(model):
     through `sys._getframe`.) `fit` shows no public view of the call it
     makes now.
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        code, names = frame.f_code, frame.f_locals
-        if code.co_name == "fit" and names.get("self") is model:
-            return names.get("data_handler")
-        frame = frame.f_back
-    return None
+    return _running_fit_local(model, "data_handler")
+
+
+def running_fit_callbacks(model) -> list:
+    """The callbacks of the `fit` of `model` on the stack ([] if none).
+
+    (Its `callbacks` local, the `CallbackList` it made or was given, once
+    `fit` built it: from `on_train_begin` on.) A callback has no public
+    view of the others.
+    """
+    callbacks = _running_fit_local(model, "callbacks")
+    return list(getattr(callbacks, "callbacks", None) or [])
 
 
 def epoch_logs_validator(model):
