@@ -15,8 +15,9 @@ from tf2sync._src import coordinator as sync_coordinator
 from tf2sync._src import unrolled_fit
 
 
-def _reference(x, y, steps, opt_fn, seed=0):
-    model = testutil.dense_model(seed)
+def _reference(x, y, steps, opt_fn, model_fn=testutil.dense_model):
+    """`model_fn()` after `steps` single-process steps on the batch."""
+    model = model_fn()
     opt = opt_fn()
     for _ in range(steps):
         with tf.GradientTape() as tape:
@@ -546,14 +547,7 @@ class EpochEndGridTest(parameterized.TestCase):
             self.assertEqual(int(aggregator.step_limit.numpy()), updates)
         else:
             self.assertGreater(updates, 0)
-        reference = _two_table_model()
-        reference_opt = opt_fn()
-        for _ in range(updates):
-            with tf.GradientTape() as tape:
-                loss = testutil.mean_loss(y, reference(x))
-            variables = reference.trainable_variables
-            grads = tape.gradient(loss, variables)
-            reference_opt.apply_gradients(zip(grads, variables))
+        reference = _reference(x, y, updates, opt_fn, _two_table_model)
         self.assertLess(
             testutil.max_abs_diff(model.get_weights(), reference.get_weights()),
             1e-5,
