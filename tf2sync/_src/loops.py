@@ -120,7 +120,8 @@ def repeat(
 
 def starts_on_single_steps(steps: int, group: int) -> bool:
     """Whether a first call of `steps` steps should run as single-step
-    functions (`fit`'s first call, `Trainer`'s first loop).
+    functions (`fit`'s first call, `Trainer`'s first loop; `fit`'s last,
+    shorter call of an epoch too, reusing that function).
 
     Where the call's steps are all copies in one graph (at most `group`)
     and more than one: the workers first set up a function of one copy

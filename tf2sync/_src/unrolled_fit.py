@@ -217,16 +217,14 @@ def _pieces(steps, handler, coordinator, first, group) -> list:
 
     The same steps run, each once.
     """
-    if first and loops.starts_on_single_steps(steps, group):
-        return [1] * steps
     full = getattr(handler, "_tf2sync_steps_per_execution", None)
-    if full is None or steps >= full or steps < 2:
-        return [steps]
+    short = full is not None and steps < full
     position = tf_internals.fit_epoch_position(handler)
-    if position is not None and position[1] > steps and steps <= group:
+    epochs_last = short and position is not None and position[1] > steps
+    if (first or epochs_last) and loops.starts_on_single_steps(steps, group):
         return [1] * steps
     workers = len(tf_internals.coordinator_workers(coordinator))
-    if workers < 2:
+    if not short or steps < 2 or workers < 2:
         return [steps]
     size = -(-steps // min(workers, steps))
     pieces = [size] * (steps // size)
