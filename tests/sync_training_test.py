@@ -613,12 +613,18 @@ class AutographTest(absltest.TestCase):
             converted.append(getattr(entity, "__code__", None))
             return convert(entity, program_ctx)
 
+        def dataset_fn():  # the user's: converted, as under stock PSS
+            return tf.data.Dataset.from_tensors((x, y)).repeat()
+
         with mock.patch.object(api, "_convert_actual", recording):
             for _ in range(2):
                 coordinator.schedule(step, args=(x, y))
             coordinator.join()
-        # Nor are tf2sync's own tf.functions (the coordinator's worker ids).
+            coordinator.create_per_worker_dataset(dataset_fn)
+        # Nor are tf2sync's own tf.functions (the coordinator's worker ids,
+        # its per-worker dataset functions).
         ours = os.path.dirname(tf2sync.__file__)
+        self.assertIn(dataset_fn.__code__, converted)
         self.assertNotEmpty(converted)  # the user's step and replica
         for code in converted:
             self.assertFalse(code and code.co_filename.startswith(ours), code)

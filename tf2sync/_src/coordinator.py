@@ -109,8 +109,13 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
 
         def dataset_fn_of(worker: int):  # traced for that worker
             def traced():
-                with step_context.DatasetWorkerScope(worker):
-                    return dataset_fn()
+                # As stock PSS's top-level tf.function, the user's function
+                # is converted by AutoGraph, this wrapper is not.
+                with (
+                    tf_internals.autograph_enabled(),
+                    step_context.DatasetWorkerScope(worker),
+                ):
+                    return tf_internals.convert_as_caller(dataset_fn)()
 
             return traced
 
@@ -312,6 +317,7 @@ def _single_pipeline(dataset_or_fn):
         return dataset_or_fn
 
     def dataset_fn():  # traced on each worker
-        return tf_internals.worker_local_dataset(dataset_or_fn())
+        user_fn = tf_internals.convert_as_caller(dataset_or_fn)
+        return tf_internals.worker_local_dataset(user_fn())
 
     return dataset_fn

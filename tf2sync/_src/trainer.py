@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import numbers
 import sys
@@ -201,7 +202,7 @@ class Trainer:
         steps = self.steps_per_loop if steps is None else steps
         group = self._copies_per_group()
 
-        @tf.function
+        @_tf2sync_function
         def loop(iterator):
             def step(total, iterator):
                 loss = self.strategy.run(
@@ -253,7 +254,7 @@ class Trainer:
         steps = self.steps_per_loop
         group = self._copies_per_group()
 
-        @tf.function
+        @_tf2sync_function
         def loop(iterator):
             def step(carry):
                 total, ran, ended = carry
@@ -571,6 +572,22 @@ def _resolved_verbose(verbose):
     if verbose == "auto":
         return 1 if sys.stdout.isatty() else 2
     return verbose
+
+
+def _tf2sync_function(fn):
+    """`tf.function(fn)` for a loop of tf2sync's own code.
+
+    AutoGraph does not rewrite `fn` (tf2sync's Python runs as written, see
+    `tf_internals.skip_autograph_for_tf2sync`), but `fn` is traced as
+    converted code: `Strategy.run` still converts an overridden
+    `train_step`, as when `tf.function` converted `fn` itself.
+    """
+
+    def traced(*args):
+        with tf_internals.autograph_enabled():
+            return fn(*args)
+
+    return tf.function(functools.wraps(fn)(traced), autograph=False)
 
 
 def _converted(fn):
