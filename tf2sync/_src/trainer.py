@@ -287,6 +287,12 @@ class Trainer:
 
         return loop
 
+    def _sync_steps(self, sync) -> int:
+        """The global step: one read, where the totals take ten or more
+        (one round trip each to the ps, before an epoch's first schedule)."""
+        step = self.global_step if self._shim else sync.iterations
+        return int(step.numpy())
+
     def _sync_totals(self, sync):
         if self._shim:  # TF1 drops stale gradients silently: steps only
             return {"sync_steps": int(self.global_step.numpy())}
@@ -440,7 +446,7 @@ class Trainer:
           and `sync_steps_per_s`.
         """
         began = time.perf_counter()
-        before = self._sync_totals(sync)["sync_steps"]
+        before = self._sync_steps(sync)
         functions = [(loop, self.steps_per_loop)] * loops_per_epoch
         if single is not None:
             functions[:1] = [(single, 1)] * self.steps_per_loop
@@ -473,7 +479,7 @@ class Trainer:
         step's pushes (`Aggregator.flush`).
         """
         began = time.perf_counter()
-        before = self._sync_totals(sync)["sync_steps"]
+        before = self._sync_steps(sync)
         self.coordinator.lift_plan()  # re-runs read new elements anyway
         workers = len(tf_internals.coordinator_workers(self.coordinator))
         pending = collections.deque(
