@@ -553,6 +553,45 @@ class JobModuleTest(absltest.TestCase):
         self.assertNotIn("local task pids", out.stdout)
 
 
+class DigitsJobTest(absltest.TestCase):
+    """The main job's data: scikit-learn's digits, without its import."""
+
+    def test_the_arrays_are_load_digits_shuffled(self):
+        import numpy as np
+        from sklearn.datasets import load_digits
+
+        from tf2sync._src.jobs import digits
+
+        reference = load_digits()
+        order = np.random.RandomState(0).permutation(len(reference.data))
+        x, y = digits._arrays()
+        np.testing.assert_array_equal(
+            x, (reference.data / 16.0).astype("float32")[order]
+        )
+        np.testing.assert_array_equal(y, reference.target[order])
+        self.assertEqual((x.dtype, y.dtype), (np.float32, np.int64))
+        self.assertEqual(digits._digits_table().shape, (1797, 65))
+
+    def test_reading_them_does_not_import_scikit_learn(self):
+        # Its import (scipy.stats with it) took 0.5-0.9 s of the chief's
+        # start; a fresh interpreter, as the test process imported it.
+        code = (
+            "import sys\n"
+            "from tf2sync._src.jobs import digits\n"
+            "x, y = digits._arrays()\n"
+            "print(len(x), 'sklearn' in sys.modules)\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=_ENV,
+            timeout=120,
+        )
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        self.assertEqual(out.stdout.split()[-2:], ["1797", "False"])
+
+
 class PublicAddressWarningTest(absltest.TestCase):
     """The check only reads the host list: nothing is contacted."""
 
