@@ -306,6 +306,23 @@ class SyncMetricsTest(absltest.TestCase):
         self.assertGreater(straggler_rate, 0.5, logs)
         self.assertLess(fast_rate, 0.25, logs)
         self.assertLess(pushed[0], (pushed[1] + pushed[2]) / 4, logs)
+        # The totals cross from the ps as one vector: each in its place.
+        aggregator = model.optimizer._aggregator
+        accepted_w = aggregator.accepted_per_worker.numpy()
+        stale_w = aggregator.stale_per_worker.numpy()
+        expected = {
+            "sync_steps": int(model.optimizer.iterations.numpy()),
+            "stale_dropped": int(aggregator.stale_dropped.numpy()),
+            "nonfinite_dropped": int(aggregator.nonfinite_dropped.numpy()),
+            "barrier_wait_s": float(aggregator.wait_seconds.numpy()),
+            "accepted": accepted,
+            "over_plan_dropped": int(aggregator.over_plan.numpy()),
+        }
+        for i in range(3):
+            expected[f"accepted_w{i}"] = int(accepted_w[i])
+            expected[f"stale_w{i}"] = int(stale_w[i])
+        self.assertEqual(aggregator.totals(), expected)
+        self.assertNotEqual(list(accepted_w), list(stale_w))
 
 
 if __name__ == "__main__":

@@ -26,23 +26,9 @@ def find_sync_optimizer(optimizer):
 
 
 def sync_totals(optimizer) -> dict:
-    """Exact totals of a `SyncOptimizer` (or its loss-scale wrapper)."""
-    sync = find_sync_optimizer(optimizer)
-    aggregator = sync._aggregator
-    totals = {
-        "sync_steps": int(sync.iterations.numpy()),
-        "stale_dropped": int(aggregator.stale_dropped.numpy()),
-        "nonfinite_dropped": int(aggregator.nonfinite_dropped.numpy()),
-        "barrier_wait_s": float(aggregator.wait_seconds.numpy()),
-        "accepted": int(aggregator.accepted.numpy()),
-        "over_plan_dropped": int(aggregator.over_plan.numpy()),
-    }
-    accepted = aggregator.accepted_per_worker.numpy()
-    stale = aggregator.stale_per_worker.numpy()
-    for i in range(aggregator.num_workers):
-        totals[f"accepted_w{i}"] = int(accepted[i])
-        totals[f"stale_w{i}"] = int(stale[i])
-    return totals
+    """Exact totals of a `SyncOptimizer` (or its loss-scale wrapper), read
+    on the ps in one call (`Aggregator.totals`)."""
+    return find_sync_optimizer(optimizer)._aggregator.totals()
 
 
 def is_sync_total(key: str) -> bool:
