@@ -532,6 +532,20 @@ class JobModuleTest(absltest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         self.assertIn("sync_steps_applied=", out.stdout)
 
+    def test_a_job_module_importing_what_is_not_installed(self):
+        directory = tempfile.mkdtemp()
+        with open(os.path.join(directory, "needs_more.py"), "w") as f:
+            f.write("import no_such_dependency_of_tf2sync_tests\n")
+        out = self._script("--job_module=needs_more", cwd=directory)
+        self.assertEqual(out.returncode, 2, out.stderr[-3000:])
+        self.assertIn(
+            "--job_module=needs_more: No module named "
+            "'no_such_dependency_of_tf2sync_tests'",
+            out.stderr,
+        )
+        self.assertNotIn("Traceback", out.stderr)
+        self.assertNotIn("local task pids", out.stdout)  # nothing started
+
     def test_a_missing_job_module_is_a_usage_error(self):
         out = self._script("--job_module=no_such_job", cwd=tempfile.mkdtemp())
         self.assertNotEqual(out.returncode, 0)
@@ -571,6 +585,36 @@ class DigitsJobTest(absltest.TestCase):
         np.testing.assert_array_equal(y, reference.target[order])
         self.assertEqual((x.dtype, y.dtype), (np.float32, np.int64))
         self.assertEqual(digits._digits_table().shape, (1797, 65))
+
+    def test_without_scikit_learn_the_launcher_says_so_before_starting(self):
+        # As after `pip install -e .` without the `examples` extra: the
+        # default job is refused in one line, no task started (it failed
+        # in the chief's first trace, as "StagingError: in user code").
+        code = (
+            "import importlib.util, sys\n"
+            "find = importlib.util.find_spec\n"
+            "importlib.util.find_spec = lambda name, *a: (\n"
+            "    None if name == 'sklearn' else find(name, *a))\n"
+            "sys.argv = ['tf2sync', '--epochs=1']\n"
+            "from tf2sync._src import launch\n"
+            "launch.run()\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=_ENV,
+            timeout=120,
+        )
+        self.assertEqual(out.returncode, 2, out.stderr[-3000:])
+        self.assertIn(
+            "--job_module=tf2sync._src.jobs.digits: No module named "
+            "'sklearn': the digits job reads scikit-learn's copy of its "
+            "data (pip install 'tf2sync[examples]')",
+            out.stderr,
+        )
+        self.assertNotIn("Traceback", out.stderr)
+        self.assertNotIn("local task pids", out.stdout)
 
     def test_reading_them_does_not_import_scikit_learn(self):
         # Its import (scipy.stats with it) took 0.5-0.9 s of the chief's

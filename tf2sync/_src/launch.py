@@ -890,7 +890,10 @@ def _load_job():
         job = importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name is None or not name.startswith(e.name):
-            raise  # the job module itself imports something missing
+            # The job module imports something that is not installed.
+            raise app.UsageError(
+                f"--job_module={name}: {e.msg or e}", exitcode=2
+            ) from None
         raise app.UsageError(
             f"--job_module={name}: no module named {e.name!r} in the working "
             f"directory ({os.getcwd()}) or the installed packages.",
