@@ -599,13 +599,7 @@ class DigitsJobTest(absltest.TestCase):
             "from tf2sync._src import launch\n"
             "launch.run()\n"
         )
-        out = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            env=_ENV,
-            timeout=120,
-        )
+        out = procutil.run_python(code)
         self.assertEqual(out.returncode, 2, out.stderr[-3000:])
         self.assertIn(
             "--job_module=tf2sync._src.jobs.digits: No module named "
@@ -625,13 +619,7 @@ class DigitsJobTest(absltest.TestCase):
             "x, y = digits._arrays()\n"
             "print(len(x), 'sklearn' in sys.modules)\n"
         )
-        out = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            env=_ENV,
-            timeout=120,
-        )
+        out = procutil.run_python(code)
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         self.assertEqual(out.stdout.split()[-2:], ["1797", "False"])
 

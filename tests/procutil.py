@@ -40,6 +40,17 @@ def launch(args, env=None, timeout=240):
     )
 
 
+def run_python(code, env=None, timeout=120):
+    """Runs `python -c CODE` to completion (a fresh interpreter)."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **processes.child_kwargs(env or ENV),
+    )
+
+
 def start(args, env=None, stderr_path=None):
     """Starts `python -m tf2sync ARGS`; stdout piped, stderr to a file."""
     stderr = open(stderr_path, "w") if stderr_path else subprocess.DEVNULL  # noqa: SIM115

@@ -173,7 +173,15 @@ class Aggregator:
 
             def read():
                 with tf.device(self.device):
-                    return self._totals_vector()
+                    extra = tf.stack(
+                        [
+                            self.accepted.read_value(),
+                            self.over_plan.read_value(),
+                        ]
+                    )
+                    return tf.concat(
+                        [self._counters(), tf.cast(extra, tf.float64)], axis=0
+                    )
 
             self._totals_function = tf.function(read, autograph=False)
         values = self._totals_function().numpy()
@@ -182,17 +190,20 @@ class Aggregator:
             "sync_steps": int(values[0]),
             "stale_dropped": int(values[1]),
             "nonfinite_dropped": int(values[2]),
-            "barrier_wait_s": float(values[3]),
-            "accepted": int(values[4]),
-            "over_plan_dropped": int(values[5]),
+            "barrier_wait_s": float(values[3 + 2 * n]),
+            "accepted": int(values[4 + 2 * n]),
+            "over_plan_dropped": int(values[5 + 2 * n]),
         }
         for i in range(n):
-            totals[f"accepted_w{i}"] = int(values[6 + i])
-            totals[f"stale_w{i}"] = int(values[6 + n + i])
+            totals[f"accepted_w{i}"] = int(values[3 + i])
+            totals[f"stale_w{i}"] = int(values[3 + n + i])
         return totals
 
-    def _totals_vector(self):
-        """`totals`' values as one float64 vector, in its order."""
+    def _counters(self):
+        """`[global step, stale, non-finite, accepted per worker...,
+        stale per worker..., total barrier wait]` as one float64 vector
+        (counts exact below 2**53): what a push returns for the logs, and
+        the head of `totals`."""
         counts = tf.concat(
             [
                 tf.stack(
@@ -202,17 +213,15 @@ class Aggregator:
                         self.nonfinite_dropped.read_value(),
                     ]
                 ),
-                tf.stack(
-                    [self.accepted.read_value(), self.over_plan.read_value()]
-                ),
                 self.accepted_per_worker.read_value(),
                 self.stale_per_worker.read_value(),
             ],
             axis=0,
         )
         wait = tf.cast(self.wait_seconds.read_value(), tf.float64)
-        counts = tf.cast(counts, tf.float64)
-        return tf.concat([counts[:3], tf.reshape(wait, [1]), counts[3:]], 0)
+        return tf.concat(
+            [tf.cast(counts, tf.float64), tf.reshape(wait, [1])], axis=0
+        )
 
     def plan_run(self) -> tuple:
         """`(global step, gradients pending)` now: the base of a run's plan
@@ -593,30 +602,11 @@ class Aggregator:
             return tf.constant(-1, tf.int64)
 
     def _stats_after(self, applied):
-        """The counters, read on the ps once `applied` ran (see `push`).
-
-        One float64 tensor (counts exact below 2**53): one transfer back to
-        the worker when the logs use them.
-        """
+        """The counters (`_counters`), read on the ps once `applied` ran
+        (see `push`): one transfer back to the worker when the logs use
+        them."""
         with tf.control_dependencies([applied]):
-            counts = tf.concat(
-                [
-                    tf.stack(
-                        [
-                            self._step(),
-                            self.stale_dropped.read_value(),
-                            self.nonfinite_dropped.read_value(),
-                        ]
-                    ),
-                    self.accepted_per_worker.read_value(),
-                    self.stale_per_worker.read_value(),
-                ],
-                axis=0,
-            )
-            wait = tf.cast(self.wait_seconds.read_value(), tf.float64)
-            return tf.concat(
-                [tf.cast(counts, tf.float64), tf.reshape(wait, [1])], axis=0
-            )
+            return self._counters()
 
     def _drain_sparse(self, count, pushes=None):
         """Dequeues the step's pushes of each sparse variable: their mean.

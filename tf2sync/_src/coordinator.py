@@ -111,10 +111,7 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             def traced():
                 # As stock PSS's top-level tf.function, the user's function
                 # is converted by AutoGraph, this wrapper is not.
-                with (
-                    tf_internals.autograph_enabled(),
-                    step_context.DatasetWorkerScope(worker),
-                ):
+                with step_context.DatasetWorkerScope(worker):
                     return tf_internals.convert_as_caller(dataset_fn)()
 
             return traced

@@ -18,6 +18,7 @@ When a TF or tf_keras upgrade breaks tf2sync, the break is in this file.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 
@@ -402,7 +403,8 @@ def indexed_per_worker_dataset(coordinator, dataset_fn_of):
     worker i's dataset and iterator resources are made by
     `dataset_fn_of(i)` (a function of no arguments), traced for it, so a
     worker that restarts rebuilds them with its own function. It is traced
-    without AutoGraph: it converts the user's function it calls itself.
+    as tf2sync's code (`function_of_tf2sync`): it converts the user's
+    function it calls (`convert_as_caller`).
 
     `values.PerWorkerDatasetFromDatasetFunction` traces one function for
     every worker; this subclass keeps one per worker and overrides the two
@@ -425,8 +427,8 @@ class _IndexedPerWorkerDataset(
         with tf.variable_creator_scope(_no_variables):
             for i in range(len(coordinator_workers(coordinator))):
                 functions.append(
-                    tf.function(
-                        dataset_fn_of(i), autograph=False
+                    function_of_tf2sync(
+                        dataset_fn_of(i)
                     ).get_concrete_function()
                 )
         super().__init__(functions[0], coordinator)
@@ -749,23 +751,27 @@ def skip_autograph_for_tf2sync() -> None:
         autograph_config.CONVERSION_RULES = (rule,) + tuple(rules)
 
 
-def autograph_enabled():
-    """A context in which AutoGraph's control status is ENABLED, as inside
-    a function AutoGraph converted (`ag_ctx.ControlStatusCtx`).
+def function_of_tf2sync(fn):
+    """`tf.function(fn)` for a function of tf2sync's own code.
 
-    For a `tf.function(autograph=False)` of tf2sync's own code: its Python
-    is not converted (a top-level `tf.function` converts its function even
-    from a module on the do-not-convert list: 0.12-0.17 s of the Trainer's
-    first trace on w1), while the user's functions tf2sync calls through
-    `convert_as_caller` (or `Strategy.run`) are, as they were when the
-    `tf.function` converted it.
+    A top-level `tf.function` converts its function with AutoGraph even
+    from a module on the do-not-convert list (0.12-0.17 s of the Trainer's
+    first trace on w1). This one does not rewrite `fn`, but traces it under
+    an ENABLED AutoGraph status (`ag_ctx.ControlStatusCtx`), as inside a
+    converted function: the user's functions `fn` calls through
+    `convert_as_caller` (or `Strategy.run`) are still converted.
     """
-    return autograph_ctx.ControlStatusCtx(
-        status=autograph_ctx.Status.ENABLED,
-        options=autograph_converter.ConversionOptions(
-            recursive=True, user_requested=True
-        ),
-    )
+
+    def traced(*args):
+        with autograph_ctx.ControlStatusCtx(
+            status=autograph_ctx.Status.ENABLED,
+            options=autograph_converter.ConversionOptions(
+                recursive=True, user_requested=True
+            ),
+        ):
+            return fn(*args)
+
+    return tf.function(functools.wraps(fn)(traced), autograph=False)
 
 
 def convert_as_caller(fn):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import functools
 import inspect
 import numbers
 import sys
@@ -202,7 +201,7 @@ class Trainer:
         steps = self.steps_per_loop if steps is None else steps
         group = self._copies_per_group()
 
-        @_tf2sync_function
+        @tf_internals.function_of_tf2sync
         def loop(iterator):
             def step(total, iterator):
                 loss = self.strategy.run(
@@ -254,7 +253,7 @@ class Trainer:
         steps = self.steps_per_loop
         group = self._copies_per_group()
 
-        @_tf2sync_function
+        @tf_internals.function_of_tf2sync
         def loop(iterator):
             def step(carry):
                 total, ran, ended = carry
@@ -288,14 +287,14 @@ class Trainer:
         return loop
 
     def _sync_steps(self, sync) -> int:
-        """The global step: one read, where the totals take ten or more
-        (one round trip each to the ps, before an epoch's first schedule)."""
+        """The global step: one variable read, all an epoch's start needs
+        of the totals (read at its end)."""
         step = self.global_step if self._shim else sync.iterations
         return int(step.numpy())
 
     def _sync_totals(self, sync):
         if self._shim:  # TF1 drops stale gradients silently: steps only
-            return {"sync_steps": int(self.global_step.numpy())}
+            return {"sync_steps": self._sync_steps(sync)}
         return callbacks_lib.sync_totals(sync)
 
     def train(
@@ -578,22 +577,6 @@ def _resolved_verbose(verbose):
     if verbose == "auto":
         return 1 if sys.stdout.isatty() else 2
     return verbose
-
-
-def _tf2sync_function(fn):
-    """`tf.function(fn)` for a loop of tf2sync's own code.
-
-    AutoGraph does not rewrite `fn` (tf2sync's Python runs as written, see
-    `tf_internals.skip_autograph_for_tf2sync`), but `fn` is traced as
-    converted code: `Strategy.run` still converts an overridden
-    `train_step`, as when `tf.function` converted `fn` itself.
-    """
-
-    def traced(*args):
-        with tf_internals.autograph_enabled():
-            return fn(*args)
-
-    return tf.function(functools.wraps(fn)(traced), autograph=False)
 
 
 def _converted(fn):
