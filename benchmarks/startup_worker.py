@@ -38,12 +38,22 @@ What is timed (time.perf_counter on the chief; t0 = the call of
   the first remote reads and the fetch.
 
 So `first_function_s = before_schedule_s + trace_s + register_s +
-steady_function_s`. Started by benchmarks/harness.py (--scenarios=startup).
+steady_function_s`.
+
+The garbage collector: each clock starts right after a full collection
+(`gc.collect()`), so that no system pays one owed to the allocations of
+its set-up (a full collection of this process's heap took 0.13-0.20 s on
+2 cores; without this, one fell inside the Trainer's measurement in every
+run and in no other system's). `gc_s` is the time the collector ran
+between t0 and the first update, `gc_full` its full collections there.
+
+Started by benchmarks/harness.py (--scenarios=startup).
 """
 
 from __future__ import annotations
 
 import cProfile
+import gc
 import os
 import threading
 import time
@@ -78,6 +88,39 @@ PROFILE_ENV = "TF2SYNC_STARTUP_PROFILE"
 RESNET_SHAPE = (64, 64, 3)
 RESNET_BATCH = 4
 DIGITS_BATCH = 32  # accuracy.py's
+
+
+class _Collections:
+    """The garbage collector's runs in this process: (start, seconds,
+    generation), from a `gc.callbacks` hook."""
+
+    def __init__(self):
+        self.runs = []
+        self._start = None
+        gc.callbacks.append(self._hook)
+
+    def _hook(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            now = time.perf_counter()
+            self.runs.append(
+                (self._start, now - self._start, info["generation"])
+            )
+
+    def between(self, t0, t1):
+        """`(seconds, full collections)` of the runs started in [t0, t1]."""
+        runs = [(s, g) for start, s, g in self.runs if t0 <= start <= t1]
+        return sum(s for s, _ in runs), sum(1 for _, g in runs if g == 2)
+
+
+_COLLECTIONS = _Collections()
+
+
+def _start_clock():
+    """t0, right after a full collection (see the module docstring)."""
+    gc.collect()
+    return time.perf_counter()
 
 
 class _Clock:
@@ -280,6 +323,7 @@ class _Server:
         if clock.done is None or clock.update is None:
             raise RuntimeError("The first function or update was not seen.")
         first = clock.done - t0
+        gc_s, gc_full = _COLLECTIONS.between(t0, clock.update)
         return {
             "before_schedule_s": round(clock.enter - t0, 4),
             "trace_s": round(clock.leave - clock.enter, 4),
@@ -288,6 +332,8 @@ class _Server:
             "first_function_s": round(first, 4),
             "first_update_s": round(clock.update - t0, 4),
             "update_polls": clock.polls,
+            "gc_s": round(gc_s, 4),
+            "gc_full": gc_full,
             "first_scheduled": clock.first,
         }
 
@@ -327,7 +373,7 @@ class _Server:
             return loops.repeat(step, k, group, tf.constant(0))
 
         clock = _Clock(opt.iterations)
-        t0 = time.perf_counter()
+        t0 = _start_clock()
         for _ in range(self.workers):  # one first function per worker
             coordinator.schedule(train, args=(iterator,))
         coordinator.join()
@@ -355,7 +401,7 @@ class _Server:
             verbose=0,
         )
         clock = _Clock(opt.iterations)
-        t0 = time.perf_counter()
+        t0 = _start_clock()
         trainer.train(
             lambda ctx: _dataset(workload, batch),
             epochs=2,
@@ -375,7 +421,7 @@ class _Server:
             data = _dataset(workload, batch)
         timer = systems._EpochTimer(1, lambda: [int(opt.iterations.numpy())])
         clock = _Clock(opt.iterations)
-        t0 = time.perf_counter()
+        t0 = _start_clock()
         model.fit(
             data,
             epochs=2,

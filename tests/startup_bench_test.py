@@ -43,6 +43,7 @@ def _record(system, trace, update, workload="w1", **extra):
         "steady_function_s": 0.1,
         "first_function_s": update + 0.05,
         "first_update_s": update,
+        "gc_s": 0.01,
         **extra,
     }
 
@@ -67,6 +68,10 @@ class StartupSectionTest(absltest.TestCase):
         # (a) trace: 5.0 / 1.5; to the first update: 6.0 / 2.5.
         self.assertEqual(cells[3], f"{5.0 / 1.5:.2f}")
         self.assertEqual(cells[7], f"{6.0 / 2.5:.2f}")
+        # The collector's time in the window is shown, not divided.
+        self.assertEqual(cells[8], "")
+        row = next(x for x in lines if "| `pss_async` |" in x)
+        self.assertEqual(row.strip("|").split("|")[8].strip(), "0.010")
 
     def test_targets_hold_tf2sync_to_one_and_a_half_times_stock(self):
         report = _load("report")
@@ -165,6 +170,10 @@ class StartupSmokeTest(absltest.TestCase):
             self.assertGreaterEqual(r["first_function_s"], r["trace_s"], r)
             self.assertGreater(r["first_update_s"], r["trace_s"], r)
             self.assertGreaterEqual(r["steps"], 1, r)
+            # Each clock starts after a full collection; the collector's
+            # own time in the window is reported.
+            self.assertGreaterEqual(r["gc_s"], 0, r)
+            self.assertGreaterEqual(r["gc_full"], 0, r)
         started = [r for r in records if r.get("event") == "started"]
         self.assertLen(started, 2)  # one fresh process per measurement
         done = next(r for r in records if r.get("event") == "processes")
