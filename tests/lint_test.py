@@ -16,8 +16,8 @@ except ImportError:  # Python 3.10
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The one module of tf2sync that may use private TensorFlow / tf_keras API.
-_TF_INTERNALS = "tf2sync/_src/tf_internals.py"
+# The one package of tf2sync that may use private TensorFlow / tf_keras API.
+_TF_INTERNALS = "tf2sync/_src/tf_internals/"
 
 # An import of a private TF / tf_keras path: `from tensorflow.python...`,
 # `import tensorflow.python... [as ...]`, `from tensorflow import python`,
@@ -89,7 +89,7 @@ class LintTest(absltest.TestCase):
             os.path.join(_ROOT, "tf2sync/**/*.py"), recursive=True
         ):
             name = os.path.relpath(path, _ROOT).replace(os.sep, "/")
-            if name == _TF_INTERNALS:
+            if name.startswith(_TF_INTERNALS):
                 continue
             with open(path) as f:
                 lines = private_imports(f.read())
@@ -102,6 +102,39 @@ class LintTest(absltest.TestCase):
             "(tensorflow.python, tf_keras.src): add a function to "
             f"{_TF_INTERNALS} and call it instead (file: line numbers).",
         )
+
+    def test_the_door_is_the_package_not_its_modules(self):
+        # tf2sync reads private API through `tf_internals.<name>` only,
+        # so that a name can move between its modules.
+        inner = re.compile(
+            r"^[ \t]*(from tf2sync\._src\.tf_internals\.\w+ import"
+            r"|import tf2sync\._src\.tf_internals\.\w+"
+            r"|from tf2sync\._src\.tf_internals import [^#\n]*\b("
+            + "|".join(
+                os.path.splitext(os.path.basename(p))[0]
+                for p in glob.glob(os.path.join(_ROOT, _TF_INTERNALS, "*.py"))
+                if not p.endswith("__init__.py")
+            )
+            + r")\b)",
+            re.M,
+        )
+        found = []
+        for pattern in ("tf2sync/**/*.py", "tests/*.py", "benchmarks/*.py"):
+            for path in glob.glob(os.path.join(_ROOT, pattern), recursive=True):
+                name = os.path.relpath(path, _ROOT).replace(os.sep, "/")
+                if name.startswith(_TF_INTERNALS):
+                    continue
+                with open(path) as f:
+                    if inner.search(f.read()):
+                        found.append(name)
+        self.assertEqual(found, [], "import tf2sync._src.tf_internals instead")
+        self.assertTrue(
+            inner.search("from tf2sync._src.tf_internals.runtime import x")
+        )
+        self.assertTrue(
+            inner.search("from tf2sync._src.tf_internals import graph_ops")
+        )
+        self.assertIsNone(inner.search("from tf2sync._src import tf_internals"))
 
     def test_private_import_pattern(self):
         for line in (
