@@ -172,8 +172,8 @@ class StartupSmokeTest(absltest.TestCase):
             self.assertGreaterEqual(r["steps"], 1, r)
             # Each clock starts after a full collection; the collector's
             # own time in the window is reported.
-            self.assertGreaterEqual(r["gc_s"], 0, r)
-            self.assertGreaterEqual(r["gc_full"], 0, r)
+            self.assertBetween(r["gc_s"], 0, r["first_update_s"])
+            self.assertIsInstance(r["gc_full"], int)
         started = [r for r in records if r.get("event") == "started"]
         self.assertLen(started, 2)  # one fresh process per measurement
         done = next(r for r in records if r.get("event") == "processes")

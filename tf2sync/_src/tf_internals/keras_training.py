@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from tensorflow.python.trackable import base as trackable
-from tf_keras.src.engine import training as keras_training
+from tf_keras.src.engine import training as tf_keras_training
 
 # tf_keras training [2.21] [2.15: kept] ---------------------------------------
 # tf2sync makes `fit`'s train function itself, from tf_keras's own pieces,
@@ -32,14 +32,14 @@ def is_keras_train_step(fn) -> bool:
 
 def reduce_per_replica(values, strategy, reduction):
     """tf_keras's reduction of a step's per-replica outputs."""
-    return keras_training.reduce_per_replica(
+    return tf_keras_training.reduce_per_replica(
         values, strategy, reduction=reduction
     )
 
 
 def minimum_control_deps(outputs) -> list:
     """What tf_keras's train function waits on before counting a step."""
-    return keras_training._minimum_control_deps(outputs)
+    return tf_keras_training._minimum_control_deps(outputs)
 
 
 def model_coordinator(model):
