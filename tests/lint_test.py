@@ -16,8 +16,8 @@ except ImportError:  # Python 3.10
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The one package of tf2sync that may use private TensorFlow / tf_keras API.
-_TF_INTERNALS = "tf2sync/_src/tf_internals/"
+# The one module of tf2sync that may use private TensorFlow / tf_keras API.
+_TF_INTERNALS = "tf2sync/_src/tf_internals.py"
 
 # An import of a private TF / tf_keras path: `from tensorflow.python...`,
 # `import tensorflow.python... [as ...]`, `from tensorflow import python`,
@@ -36,30 +36,6 @@ def private_imports(text):
         text.count("\n", 0, m.start()) + 1
         for m in _PRIVATE_IMPORT.finditer(text)
     ]
-
-
-def _tf_internals_modules():
-    """The module names inside the tf_internals package."""
-    return sorted(
-        os.path.splitext(os.path.basename(p))[0]
-        for p in glob.glob(os.path.join(_ROOT, _TF_INTERNALS, "*.py"))
-        if not p.endswith("__init__.py")
-    )
-
-
-def uses_tf_internals_module(text):
-    """Whether `text` reaches into one of tf_internals' modules: imports
-    it (absolute, relative, by name, `importlib`) or reads it as an
-    attribute of the package (`tf_internals.graph_ops.x`)."""
-    modules = "|".join(_tf_internals_modules())
-    if re.search(rf"\btf_internals\.({modules})\b", text):
-        return True
-    return any(
-        re.search(rf"\b({modules})\b", names)
-        for names in re.findall(
-            r"from [\w.]*\btf_internals import (\([^)]*\)|[^\n]*)", text
-        )
-    )
 
 
 def _ruff():
@@ -113,7 +89,7 @@ class LintTest(absltest.TestCase):
             os.path.join(_ROOT, "tf2sync/**/*.py"), recursive=True
         ):
             name = os.path.relpath(path, _ROOT).replace(os.sep, "/")
-            if name.startswith(_TF_INTERNALS):
+            if name == _TF_INTERNALS:
                 continue
             with open(path) as f:
                 lines = private_imports(f.read())
@@ -126,45 +102,6 @@ class LintTest(absltest.TestCase):
             "(tensorflow.python, tf_keras.src): add a function to "
             f"{_TF_INTERNALS} and call it instead (file: line numbers).",
         )
-
-    def test_the_door_is_the_package_not_its_modules(self):
-        # tf2sync reads private API through `tf_internals.<name>` only,
-        # so that a name can move between the package's modules.
-        found, scanned = [], 0
-        for pattern in ("tf2sync/**/*.py", "tests/*.py", "benchmarks/*.py"):
-            for path in glob.glob(os.path.join(_ROOT, pattern), recursive=True):
-                name = os.path.relpath(path, _ROOT).replace(os.sep, "/")
-                if (
-                    name.startswith(_TF_INTERNALS)
-                    or name == "tests/lint_test.py"
-                ):
-                    continue
-                scanned += 1
-                with open(path) as f:
-                    if uses_tf_internals_module(f.read()):
-                        found.append(name)
-        self.assertGreater(scanned, 50)
-        self.assertEqual(found, [], "use tf2sync._src.tf_internals.<name>")
-
-    def test_tf_internals_module_pattern(self):
-        for text in (
-            "from tf2sync._src.tf_internals.runtime import runtime_started",
-            "from .tf_internals.graph_ops import inline_copy",
-            "import tf2sync._src.tf_internals.autograph",
-            "from tf2sync._src.tf_internals import graph_ops",
-            "from tf2sync._src.tf_internals import (\n    ps_strategy,\n)",
-            "tf_internals.graph_ops.inline_copy(f, (), 'x')",
-            'importlib.import_module("tf2sync._src.tf_internals.runtime")',
-        ):
-            self.assertTrue(uses_tf_internals_module(text), text)
-        for text in (
-            "from tf2sync._src import tf_internals",
-            "tf_internals.inline_copy(f, (), 'x')",
-            "from tf2sync._src.tf_internals import inline_copy",
-            "x = tf_internals.runtime_started()",
-            "from tf2sync._src.tf_internals import inline_copy\nautograph = 1",
-        ):
-            self.assertFalse(uses_tf_internals_module(text), text)
 
     def test_private_import_pattern(self):
         for line in (
