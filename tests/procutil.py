@@ -40,6 +40,19 @@ def launch(args, env=None, timeout=240):
     )
 
 
+def assert_refused(test, out, message, returncode=2):
+    """Checks that the launcher run `out` refused before any task started:
+    exit `returncode` (None: any non-zero), `message` in its stderr, no
+    traceback, no local task started."""
+    if returncode is None:
+        test.assertNotEqual(out.returncode, 0, out.stderr[-3000:])
+    else:
+        test.assertEqual(out.returncode, returncode, out.stderr[-3000:])
+    test.assertIn(message, out.stderr)
+    test.assertNotIn("Traceback", out.stderr)
+    test.assertNotIn("local task pids", out.stdout)  # nothing started
+
+
 def run_python(code, env=None, timeout=120):
     """Runs `python -c CODE` to completion (a fresh interpreter)."""
     return subprocess.run(
