@@ -112,7 +112,10 @@ def inline_copy(concrete, args, name):
     constants are the first copy's in this graph (see `_CopyRecipe`), so
     copies into one graph must not be made under different
     `tf.control_dependencies` contexts (the shared constants keep the
-    first copy's). Returns its structured outputs, with this copy's
+    first copy's); its nested functions are added to a graph with its
+    first copy there. Outside any device or colocation scope its ops are
+    placed after the import, as the import would place them (see
+    `_CopyRecipe`). Returns its structured outputs, with this copy's
     tensors. Stands in for function inlining, which TF applies only when a
     function runs (`import_graph_def` without colocation checks, since
     the arguments' placeholders are not copied, as
@@ -139,7 +142,8 @@ def inline_copy(concrete, args, name):
         key: values[placeholder] for key, placeholder in recipe.input_map
     }
     shared = recipe.constants.get(graph)
-    if shared is None:  # the first copy here: its constants serve the rest
+    first = shared is None  # the first copy here: its constants serve the rest
+    if first:
         elements = recipe.wanted + recipe.constant_tensors
         graph_def = recipe.graph_def
     else:
@@ -147,15 +151,30 @@ def inline_copy(concrete, args, name):
         graph_def = recipe.without_constants
         for key, tensor_name in recipe.constant_inputs:
             input_map[key] = shared[tensor_name]
+    placed, colocated = [], []
+    if not _device_or_colocation_scope(graph):  # placed after the import
+        graph_def, placed, colocated = recipe.without_devices[first]
     copied = graph_importer._import_graph_def_internal(
         graph_def,
         input_map=input_map,
-        return_elements=elements,
+        return_elements=elements + [n for n, _ in placed] + colocated,
         validate_colocation_constraints=False,
         name=name,
     )
+    ops = iter(copied[len(elements) :])
+    for (_, device), op in zip(placed, ops):
+        op._set_device(device)
+    for op in ops:  # as the import does, from the devices now set
+        for target in graph_importer._GetColocationNames(op):
+            try:
+                device = graph.get_operation_by_name(target).device
+            except KeyError:
+                continue
+            if device:
+                op._set_device(tf.DeviceSpec.from_string(device))
+                break
     by_name = dict(zip(elements, copied))
-    if shared is None:
+    if first:
         shared = {t: by_name[t] for t in recipe.constant_tensors}
         recipe.constants[graph] = shared
     by_name.update(shared)
@@ -223,6 +242,8 @@ class _CopyRecipe:
         del self.without_constants.node[:]
         rest = [n for n in kept if n.name not in constants]
         self.without_constants.node.extend(rest)
+        # Nor its functions: the first copy added them to the graph.
+        self.without_constants.ClearField("library")
         inputs = {i for n in rest for i in n.input}
         self.constant_inputs = []  # (input_map key, constant's tensor)
         for c in sorted(constants):
@@ -232,6 +253,45 @@ class _CopyRecipe:
         # Graph -> its copies' constants. Kept as long as this trace (the
         # functions that hold the trace hold those graphs too).
         self.constants = {}
+        # The import places each op by entering its device as a scope
+        # (`tf.device`: in TF2 about 0.1 ms of Python per op). Outside any
+        # device or colocation scope that makes the op's own device,
+        # canonical: the copies import their ops without devices and get
+        # them set after, then a colocated op its first colocated op's
+        # device, as the import does.
+        self.without_devices = {
+            True: _without_devices(graph_def),
+            False: _without_devices(self.without_constants),
+        }
+
+
+def _without_devices(graph_def):
+    """`(graph_def without its nodes' devices, [(node name, canonical
+    device)] of the nodes the import places by their device, [name] of
+    those it places by their colocation)`."""
+    bare = tf.compat.v1.GraphDef()
+    bare.CopyFrom(graph_def)
+    placed, colocated = [], []
+    for node in bare.node:
+        groups = node.attr["_class"].list.s if "_class" in node.attr else ()
+        if any(  # the import ignores its device
+            c.startswith(b"loc:@") and c[5:].decode() != node.name
+            for c in groups
+        ):
+            colocated.append(node.name)
+        elif node.device:
+            spec = tf.DeviceSpec.from_string(node.device)
+            placed.append((node.name, spec.to_string()))
+        node.device = ""
+    return bare, placed, colocated
+
+
+def _device_or_colocation_scope(graph) -> bool:
+    """Whether ops made in `graph` now get a device or colocation from an
+    enclosing `tf.device` or colocation scope."""
+    return any(True for _ in graph._device_function_stack.peek_objs()) or any(
+        True for _ in graph._colocation_stack.peek_objs()
+    )
 
 
 def _copy_recipe(concrete) -> _CopyRecipe:
