@@ -159,6 +159,7 @@ class RepeatTest(parameterized.TestCase):
         step whose ops have devices of every form and colocations, in one
         function (under `outer_device` if given)."""
         v = tf.Variable(1.0)
+        here = tf.constant(0.0).device  # this task's CPU, fully named
         data = iter(
             tf.data.Dataset.range(10).map(lambda x: tf.cast(x, "float32"))
         )
@@ -172,7 +173,7 @@ class RepeatTest(parameterized.TestCase):
                 x = next(iterator)
             with tf.compat.v1.colocate_with(v):
                 y = carry + x
-            with tf.device("/job:localhost/replica:0/task:0/device:CPU:0"):
+            with tf.device(here):
                 z = double(y)
             with tf.compat.v1.colocate_with(z.op):  # with an op of the copy
                 w = z + 1.0
@@ -199,7 +200,7 @@ class RepeatTest(parameterized.TestCase):
             )
             for op in graph.get_operations()
         ]
-        return float(run(data)), placed
+        return float(run(data)), placed, here
 
     @parameterized.named_parameters(
         ("outside_any_scope", None), ("under_a_device_scope", "/cpu:0")
@@ -211,12 +212,12 @@ class RepeatTest(parameterized.TestCase):
         with mock.patch.object(
             tf_internals, "_device_or_colocation_scope", return_value=True
         ):
-            expected_value, expected = self._placed_copies(outer)
-        value, placed = self._placed_copies(outer)
+            expected_value, expected, _ = self._placed_copies(outer)
+        value, placed, here = self._placed_copies(outer)
         self.assertEqual(value, expected_value)
         self.assertEqual(placed, expected)
         devices = {device for _, _, device, _ in placed}
-        self.assertIn("/job:localhost/replica:0/task:0/device:CPU:0", devices)
+        self.assertIn(here, devices)
         self.assertIn("/device:CPU:0", devices)
         colocated = [
             (name, device)
