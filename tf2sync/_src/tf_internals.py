@@ -104,24 +104,24 @@ def copies_like_traces(concrete) -> bool:
 def inline_copy(concrete, args, name):
     """Copies the graph of `concrete` into the current graph, once more.
 
-    What tracing `concrete`'s Python again here would build, without
-    running that Python: its ops are imported under the name scope `name`,
-    its arguments (the flat tensors of `args`: tensors and composite
-    tensors only) and captures fed from this graph (captured through it
-    when they live elsewhere), and its nested functions shared. Its
-    constants are the first copy's in this graph (see `_CopyRecipe`), so
-    copies into one graph must not be made under different
-    `tf.control_dependencies` contexts (the shared constants keep the
-    first copy's); its nested functions are added to a graph with its
-    first copy there. Outside any device or colocation scope its ops are
-    placed after the import, as the import would place them (see
-    `_CopyRecipe`). Returns its structured outputs, with this copy's
-    tensors. Stands in for function inlining, which TF applies only when a
-    function runs (`import_graph_def` without colocation checks, since
-    the arguments' placeholders are not copied, as
-    `importer.import_graph_def_for_function` does; no public API copies a
-    function graph with inputs mapped). [2.21] [2.15]: `fit_test` runs it
-    on both.
+    What tracing `concrete`'s Python again here would build, without running
+    that Python: its ops are imported under the name scope `name`, its
+    arguments (the flat tensors of `args`: tensors and composite tensors
+    only) and captures fed from this graph (captured through it when they
+    live elsewhere), and its nested functions shared. Its constants are the
+    first copy's in this graph (see `_CopyRecipe`), so copies into one graph
+    must not be made under different `tf.control_dependencies` contexts (the
+    shared constants keep the first copy's); its nested functions are added
+    to a graph with its first copy there. Outside any device or colocation
+    scope its ops are placed after the import, as the import would place
+    them (see `_CopyRecipe`; `Operation._set_device` and the importer's
+    `_GetColocationNames`, as its `_ProcessNewOps` uses them). Returns its
+    structured outputs, with this copy's tensors. Stands in for function
+    inlining, which TF applies only when a function runs (`import_graph_def`
+    without colocation checks, since the arguments' placeholders are not
+    copied, as `importer.import_graph_def_for_function` does; no public API
+    copies a function graph with inputs mapped). [2.21] [2.15]: `fit_test`
+    runs it on both.
     """
     graph = tf.compat.v1.get_default_graph()
     inner = concrete.graph
@@ -288,7 +288,9 @@ def _without_devices(graph_def):
 
 def _device_or_colocation_scope(graph) -> bool:
     """Whether ops made in `graph` now get a device or colocation from an
-    enclosing `tf.device` or colocation scope."""
+    enclosing `tf.device` or colocation scope (no public API says whether
+    one is open: the graph's two stacks, read). [2.21] [2.15]: loops_test
+    runs on both."""
     return any(True for _ in graph._device_function_stack.peek_objs()) or any(
         True for _ in graph._colocation_stack.peek_objs()
     )
