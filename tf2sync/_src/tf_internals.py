@@ -114,8 +114,8 @@ def inline_copy(concrete, args, name):
     shared constants keep the first copy's); its nested functions are added
     to a graph with its first copy there. Outside any device or colocation
     scope its ops are placed after the import, as the import would place
-    them (see `_CopyRecipe`; `Operation._set_device` and the importer's
-    `_GetColocationNames`, as its `_ProcessNewOps` uses them). Returns its
+    them (see `_CopyRecipe`; `Operation._set_device`, as the import's
+    `_ProcessNewOps` uses it). Returns its
     structured outputs, with this copy's tensors. Stands in for function
     inlining, which TF applies only when a function runs (`import_graph_def`
     without colocation checks, since the arguments' placeholders are not
@@ -151,28 +151,18 @@ def inline_copy(concrete, args, name):
         graph_def = recipe.without_constants
         for key, tensor_name in recipe.constant_inputs:
             input_map[key] = shared[tensor_name]
-    placed, colocated = [], []
+    placed = []
     if not _device_or_colocation_scope(graph):  # placed after the import
-        graph_def, placed, colocated = recipe.without_devices[first]
+        graph_def, placed = recipe.without_devices[first]
     copied = graph_importer._import_graph_def_internal(
         graph_def,
         input_map=input_map,
-        return_elements=elements + [n for n, _ in placed] + colocated,
+        return_elements=elements + [n for n, _ in placed],
         validate_colocation_constraints=False,
         name=name,
     )
-    ops = iter(copied[len(elements) :])
-    for (_, device), op in zip(placed, ops):
+    for (_, device), op in zip(placed, copied[len(elements) :]):
         op._set_device(device)
-    for op in ops:  # as the import does, from the devices now set
-        for target in graph_importer._GetColocationNames(op):
-            try:
-                device = graph.get_operation_by_name(target).device
-            except KeyError:
-                continue
-            if device:
-                op._set_device(tf.DeviceSpec.from_string(device))
-                break
     by_name = dict(zip(elements, copied))
     if first:
         shared = {t: by_name[t] for t in recipe.constant_tensors}
@@ -257,8 +247,8 @@ class _CopyRecipe:
         # (`tf.device`: in TF2 about 0.1 ms of Python per op). Outside any
         # device or colocation scope that makes the op's own device,
         # canonical: the copies import their ops without devices and get
-        # them set after, then a colocated op its first colocated op's
-        # device, as the import does.
+        # them set after; colocated ops, and those they are colocated
+        # with, are left to the import.
         self.without_devices = {
             True: _without_devices(graph_def),
             False: _without_devices(self.without_constants),
@@ -266,24 +256,31 @@ class _CopyRecipe:
 
 
 def _without_devices(graph_def):
-    """`(graph_def without its nodes' devices, [(node name, canonical
-    device)] of the nodes the import places by their device, [name] of
-    those it places by their colocation)`."""
+    """`(graph_def, [(node name, canonical device)])`: the nodes listed
+    have their devices cleared, to be set after the import. The import
+    still places the colocated nodes (it ignores their own devices), from
+    the devices of the nodes they are colocated with, which keep theirs."""
     bare = tf.compat.v1.GraphDef()
     bare.CopyFrom(graph_def)
-    placed, colocated = [], []
+    colocations = {
+        node.name: {
+            group[len(b"loc:@") :].decode()
+            for group in node.attr["_class"].list.s
+            if group.startswith(b"loc:@")
+        }
+        - {node.name}
+        for node in bare.node
+        if "_class" in node.attr
+    }
+    by_import = {n for n, targets in colocations.items() if targets}
+    by_import.update(t for targets in colocations.values() for t in targets)
+    placed = []
     for node in bare.node:
-        groups = node.attr["_class"].list.s if "_class" in node.attr else ()
-        if any(  # the import ignores its device
-            c.startswith(b"loc:@") and c[5:].decode() != node.name
-            for c in groups
-        ):
-            colocated.append(node.name)
-        elif node.device:
+        if node.device and node.name not in by_import:
             spec = tf.DeviceSpec.from_string(node.device)
             placed.append((node.name, spec.to_string()))
-        node.device = ""
-    return bare, placed, colocated
+            node.device = ""
+    return bare, placed
 
 
 def _device_or_colocation_scope(graph) -> bool:
