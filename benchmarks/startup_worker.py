@@ -131,6 +131,12 @@ def _start_clock():
 _COLLECTED_S = [0.0]  # the last `_start_clock`'s collection, seconds
 
 
+def _setup_s(start, t0):
+    """`setup_s`: from `start` to the clock's `t0`, less the collection
+    `_start_clock` ran just before `t0`."""
+    return round(t0 - start - _COLLECTED_S[0], 4)
+
+
 class _Clock:
     """Times the outermost first `schedule` and what follows it.
 
@@ -290,9 +296,7 @@ class _Server:
             result = self._trainer(
                 strategy, model, opt, workload, batch, k, rounds, loop_loss
             )
-            result["setup_s"] = round(
-                result.pop("t0") - start - _COLLECTED_S[0], 4
-            )
+            result["setup_s"] = _setup_s(start, result.pop("t0"))
         elif fit:
             with strategy.scope():
                 model.compile(
@@ -316,9 +320,7 @@ class _Server:
                 loop_loss,
                 unrolled=system == "tf2sync_loop",
             )
-            result["setup_s"] = round(
-                result.pop("t0") - start - _COLLECTED_S[0], 4
-            )
+            result["setup_s"] = _setup_s(start, result.pop("t0"))
         return {
             "system": system,
             "workload": workload,
@@ -443,7 +445,7 @@ class _Server:
         )
         steady = timer.seconds / rounds
         result = self._split(clock, t0, steady)
-        result["setup_s"] = round(t0 - start - _COLLECTED_S[0], 4)
+        result["setup_s"] = _setup_s(start, t0)
         result["call_s"] = round(time.perf_counter() - t0, 4)
         result["steps"] = int(opt.iterations.numpy())
         return result
