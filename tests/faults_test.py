@@ -441,6 +441,14 @@ class FastRecoveryTest(absltest.TestCase):
         self.assertGreater(testutil.max_abs_diff(weights, model.weights), 0)
 
     def test_a_frozen_worker_is_declared_and_its_function_runs_elsewhere(self):
+        self._frozen_worker_function_runs_elsewhere(declared_first=False)
+
+    def test_a_function_a_frozen_worker_takes_later_runs_elsewhere(self):
+        """Declared while idle, worker 1 then takes a function: the next
+        watch moves it (the order a slow worker start gives)."""
+        self._frozen_worker_function_runs_elsewhere(declared_first=True)
+
+    def _frozen_worker_function_runs_elsewhere(self, declared_first):
         from tf2sync._src import liveness
         from tf2sync._src import tf_internals
 
@@ -456,6 +464,12 @@ class FastRecoveryTest(absltest.TestCase):
             return ping
 
         monitor = liveness.WorkerMonitor(coordinator, 1.0, pinger=pinger)
+
+        def wait_for(condition):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not condition():
+                time.sleep(0.05)
+
         try:
             with tf.device("/job:ps/task:0"):
                 gate = tf.queue.FIFOQueue(-1, tf.int64, shapes=[])
@@ -467,17 +481,21 @@ class FastRecoveryTest(absltest.TestCase):
                 runs.assign_add(1)
                 return gate.dequeue()
 
+            blocked.get_concrete_function()  # traced while all answer
             frozen.set()
+            if declared_first:
+                # Waits for: worker 1 declared, with no function to move.
+                wait_for(lambda: monitor.declared)
+                self.assertEqual(monitor.moved, [])
             # One function on each worker, both waiting at the gate.
             results = [coordinator.schedule(blocked) for _ in range(2)]
-            deadline = time.monotonic() + 30
-            # Waits for: both functions started and worker 1 declared.
-            while time.monotonic() < deadline and not (
-                monitor.declared and int(runs.numpy()) == 2
-            ):
-                time.sleep(0.05)
+            # Waits for: both functions started, worker 1 declared and its
+            # function moved (at the declaration, or at the next watch if
+            # worker 1 took it after being declared).
+            wait_for(lambda: monitor.moved and int(runs.numpy()) == 2)
             self.assertEqual([i for i, _ in monitor.declared], [1])
             self.assertGreaterEqual(monitor.declared[0][1], 1.0)
+            self.assertEqual(monitor.moved, [1])
             frozen.clear()
             # Worker 0's run, worker 1's (ignored) and the re-run.
             gate.enqueue_many(tf.constant([7, 7, 7], tf.int64))

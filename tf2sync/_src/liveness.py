@@ -59,6 +59,9 @@ class WorkerMonitor:
 
     Attributes:
       declared: `(worker index, seconds unanswered)` of each declaration.
+      moved: The worker index of each in-flight function moved to another
+        worker: at its declaration, or later, if the worker, still frozen,
+        took one meanwhile.
     """
 
     def __init__(self, coordinator, timeout: float, pinger=None):
@@ -74,6 +77,7 @@ class WorkerMonitor:
         self.timeout = float(timeout)
         self.period = max(0.05, self.timeout / 4)
         self.declared = []
+        self.moved = []
         self._coordinator = weakref.ref(coordinator)
         self._stop = threading.Event()
         workers = tf_internals.coordinator_workers(coordinator)
@@ -138,6 +142,7 @@ class WorkerMonitor:
             coordinator, index
         ):
             return
+        self.moved.append(index)
         logging.warning(
             "tf2sync: worker %d, frozen, took a function: it runs again on "
             "another worker.",
@@ -153,6 +158,8 @@ class WorkerMonitor:
         self._frozen[index] = True
         self.declared.append((index, seconds))
         moved = tf_internals.take_over_closure(coordinator, index)
+        if moved:
+            self.moved.append(index)
         logging.warning(
             "tf2sync: worker %d has not answered for %.1f s "
             "(worker_timeout=%g): treated as failed%s.",
