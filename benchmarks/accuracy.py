@@ -6,6 +6,11 @@ The launcher's default job (`tf2sync._src.jobs.digits`: a small conv net,
 momentum SGD (0.05, 0.9), synchronously (tf2sync) or asynchronously (stock
 PSS). Each epoch is 1,500 / B replica steps for both, so both see the same
 examples; after each, the held-out accuracy is measured off the clock.
+
+At one learning rate a synchronous epoch makes 1 / N of an asynchronous
+one's updates (each of N replicas' mean), so the harness runs each system
+over the same grid of rates (`--accuracy_learning_rates`) and compares
+each at its best as well as at the first rate.
 """
 
 from __future__ import annotations
@@ -51,14 +56,25 @@ class AccuracyRunner:
       k: steps_per_execution.
       epochs: Epochs per run.
       target: The held-out accuracy to reach.
+      learning_rate: The momentum SGD's rate.
     """
 
-    def __init__(self, make_strategy, *, sync, k, epochs, target):
+    def __init__(
+        self,
+        make_strategy,
+        *,
+        sync,
+        k,
+        epochs,
+        target,
+        learning_rate=LEARNING_RATE,
+    ):
         self.make_strategy = make_strategy
         self.sync = sync
         self.k = k
         self.epochs = epochs
         self.target = target
+        self.learning_rate = learning_rate
         self.x, self.y = digits.eval_arrays()
         self.local = None
 
@@ -74,7 +90,9 @@ class AccuracyRunner:
             self.local = digits.build_model()
         with strategy.scope():
             model = digits.build_model()
-            inner = tf.keras.optimizers.legacy.SGD(LEARNING_RATE, momentum=0.9)
+            inner = tf.keras.optimizers.legacy.SGD(
+                self.learning_rate, momentum=0.9
+            )
             opt = tf2sync.SyncOptimizer(inner) if self.sync else inner
             model.compile(
                 optimizer=opt, loss=digits.LOSS, steps_per_execution=self.k
@@ -98,6 +116,7 @@ class AccuracyRunner:
         ]
         return {
             "target": self.target,
+            "learning_rate": self.learning_rate,
             "epochs_to_target": reached[0][0] if reached else None,
             "seconds_to_target": reached[0][1] if reached else None,
             "final_accuracy": clock.curve[-1][1],

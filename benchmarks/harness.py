@@ -31,7 +31,8 @@ vs stock PSS), `scaling` (tf2sync step cost with 1..4 workers on w1),
 `model_size` (tf2sync and stock PSS on w1 with 64..4096 hidden units),
 `memory` (RSS of a subprocess ps on w3 with 1..4 workers, and with a
 table 4 x as large), `accuracy`
-(time to 95 % held-out accuracy on digits, tf2sync vs stock PSS), and
+(time to 95 % held-out accuracy on digits, tf2sync vs stock PSS, each at
+every rate of --accuracy_learning_rates), and
 `sharding`, not in the default run: w4 (embedding 2,000,000 x 32, 256 MB
 and as much again in momentum; --sharding_rows) partitioned over 2 ps
 (`FixedShardsPartitioner(2)`; TF1: `fixed_size_partitioner(2)`):
@@ -171,6 +172,12 @@ _ACCURACY_TARGET = flags.DEFINE_float(
 _ACCURACY_EPOCHS = flags.DEFINE_integer(
     "accuracy_epochs", 12, "Epochs per time-to-accuracy run."
 )
+_ACCURACY_LEARNING_RATES = flags.DEFINE_list(
+    "accuracy_learning_rates",
+    ["0.05", "0.1"],
+    "Momentum SGD rates each system trains digits at (accuracy): the "
+    "target compares the systems at the first and each at its best.",
+)
 _SHARDING_ROWS = flags.DEFINE_integer(
     "sharding_rows",
     2_000_000,
@@ -259,6 +266,19 @@ def _positive_ints(values) -> bool:
     return all(v.strip().isdigit() and int(v) > 0 for v in values)
 
 
+def _positive_numbers(values) -> bool:
+    try:
+        return bool(values) and all(0 < float(v) < float("inf") for v in values)
+    except ValueError:
+        return False
+
+
+flags.register_validator(
+    "accuracy_learning_rates",
+    _positive_numbers,
+    message="--accuracy_learning_rates must be a list of positive numbers.",
+)
+
 for _name in ("scaling_workers", "model_widths", "memory_workers"):
     flags.register_validator(
         _name,
@@ -310,6 +330,9 @@ class Settings:
     memory_repeats: int
     accuracy_target: float
     accuracy_epochs: int
+    accuracy_learning_rates: list = dataclasses.field(
+        default_factory=lambda: [0.05]
+    )
     sharding_rows: int = 2_000_000
     baseline_tree: str | None = None
     startup_workloads: list = dataclasses.field(
@@ -365,6 +388,9 @@ def _settings() -> Settings:
         memory_repeats=given(_MEMORY_REPEATS, 1),
         accuracy_target=_ACCURACY_TARGET.value,
         accuracy_epochs=given(_ACCURACY_EPOCHS, 2),
+        accuracy_learning_rates=[
+            float(v) for v in _ACCURACY_LEARNING_RATES.value
+        ],
         sharding_rows=given(_SHARDING_ROWS, 2_000),
         baseline_tree=_BASELINE_TREE.value
         and os.path.abspath(_BASELINE_TREE.value),

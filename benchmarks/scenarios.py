@@ -325,29 +325,31 @@ def _settled(pid, seconds=1.0, slack_kb=64, most=15.0):
 
 
 def scenario_accuracy(bench, workers=2):
-    """Time to accuracy on digits (accuracy.py), fresh models each repeat."""
+    """Time to accuracy on digits (accuracy.py), fresh models each repeat,
+    each system at each of the rates of `accuracy_learning_rates`."""
     s = bench.s
     base = {
         "scenario": "accuracy",
         "workload": "digits",
         "workers": workers,
         "steps_per_function": s.k,
+        "learning_rates": list(s.accuracy_learning_rates),
     }
     child = bench.start_pss("pss_accuracy", workers)
     options = {"epochs": s.accuracy_epochs, "target": s.accuracy_target}
-    endpoints = [
-        Endpoint(
-            name,
-            "pss",
-            [child],
-            {"system": name, "workload": "digits", "k": s.k, **options},
-            workers,
-        )
-        for name in ("tf2sync_fit", "pss_async_fit")
-    ]
+    endpoints, extra = [], {}
+    for rate in s.accuracy_learning_rates:
+        for system in ("tf2sync_fit", "pss_async_fit"):
+            # The endpoint's name keys its runner on the child; the record
+            # names the system and the rate.
+            name = f"{system}_lr{rate:g}"
+            args = {"system": system, "workload": "digits", "k": s.k}
+            args.update(options, learning_rate=rate)
+            endpoints.append(Endpoint(name, "pss", [child], args, workers))
+            extra[name] = {"system": system, "learning_rate": rate}
     try:
         bench.setup(endpoints, base)
-        bench.interleave(endpoints, 0, base, {})
+        bench.interleave(endpoints, 0, base, extra)
     finally:
         bench.close(endpoints)
 

@@ -540,39 +540,52 @@ def memory_section(records) -> list[str]:
     ]
 
 
-def accuracy_section(records) -> list[str]:
+def accuracy_runs(records) -> dict:
+    """{(system, learning rate): [runs]} of the accuracy scenario (runs
+    from before the rate was recorded at accuracy.py's one rate)."""
     found = {}
     for r in runs(records, "accuracy"):
-        found.setdefault(r["system"], []).append(r)
+        rate = r.get("learning_rate", 0.05)
+        found.setdefault((r["system"], rate), []).append(r)
+    return found
+
+
+def accuracy_section(records) -> list[str]:
+    found = accuracy_runs(records)
     if not found:
         return []
     target = next(iter(found.values()))[0]["target"]
     rows = []
-    for system, rs in found.items():
+    for (system, rate), rs in sorted(found.items(), key=lambda i: i[0][1]):
         epoch_s = [
             b[0] - a[0] for r in rs for a, b in zip(r["curve"], r["curve"][1:])
         ]
         rows.append(
             [
                 f"`{system}`",
+                f"{rate:g}",
                 fmt(median([r["epochs_to_target"] for r in rs]), ".1f"),
                 fmt(median([r["seconds_to_target"] for r in rs]), ".2f"),
+                fmt(median([r["curve"][0][0] for r in rs]), ".3f"),
                 fmt(median(epoch_s), ".3f"),
                 fmt(median([r["final_accuracy"] for r in rs]), ".4f"),
                 f"{len(rs)} ({sum(r['epochs_to_target'] is None for r in rs)}"
                 " missed)",
             ]
         )
-    header = ["system", f"epochs to {target}", f"seconds to {target}"]
+    header = ["system", "learning rate", f"epochs to {target}"]
+    header += [f"seconds to {target}", "1st epoch s"]
     header += ["s / epoch (after the 1st)", "final accuracy", "runs"]
     epochs = len(rs[0]["curve"])
     return [
         "scikit-learn digits (the launcher's default job: conv net, "
         "1,500 training and 297 held-out images), `model.fit`, 2 workers, "
-        "batch 32 per worker, legacy momentum SGD 0.05 / 0.9, "
-        f"{epochs} epochs of 1,500 examples; held-out accuracy after each "
-        "epoch, off the clock. Seconds include the first epoch's one-off "
-        "tracing (larger for tf2sync); medians over the repeats.",
+        "batch 32 per worker, legacy momentum SGD (momentum 0.9) at each "
+        f"rate, {epochs} epochs of 1,500 examples; held-out accuracy after "
+        "each epoch, off the clock. Seconds include the first epoch's "
+        "one-off tracing (larger for tf2sync); medians over the repeats. "
+        "At one rate a synchronous epoch makes half the updates of an "
+        "asynchronous one (each the mean of 2 replicas' gradients).",
         "",
         *table(header, rows),
         "",

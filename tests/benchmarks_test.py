@@ -137,6 +137,32 @@ class HarnessSmokeTest(absltest.TestCase):
         self.assertEqual(done[0]["alive"], [])
         _wait_gone(self, started, seconds=1.0)
 
+    def test_accuracy_scenario_runs_each_system_at_each_rate(self):
+        _, out, records = self._smoke(
+            "--scenarios=accuracy", "--accuracy_learning_rates=0.05,0.2"
+        )
+        runs = [
+            r
+            for r in records
+            if r.get("scenario") == "accuracy" and "curve" in r
+        ]
+        self.assertCountEqual(
+            [(r["system"], r["learning_rate"]) for r in runs],
+            [
+                ("tf2sync_fit", 0.05),
+                ("pss_async_fit", 0.05),
+                ("tf2sync_fit", 0.2),
+                ("pss_async_fit", 0.2),
+            ],
+        )
+        for r in runs:
+            self.assertLen(r["curve"], 2)  # the smoke's 2 epochs
+        with open(os.path.join(out, "benchmarks.md")) as f:
+            markdown = f.read()
+        self.assertIn("accuracy target at learning rate 0.05,", markdown)
+        self.assertIn("each at its best rate of 0.05, 0.2", markdown)
+        self.assertRegex(markdown, r"\| `tf2sync_fit` \| 0\.2 \| ")
+
     def test_memory_scenario_measures_each_cell_repeatedly(self):
         _, out, records = self._smoke(
             "--scenarios=memory", "--memory_workers=1", "--memory_repeats=2"
@@ -409,6 +435,8 @@ class FlagTest(parameterized.TestCase):
         ("--workloads=w9", "--workloads: unknown ['w9']"),
         ("--workloads=w4", "--workloads: unknown ['w4']"),
         ("--sharding_rows=0", "--sharding_rows must be positive"),
+        ("--accuracy_learning_rates=0.1,x", "--accuracy_learning_rates="),
+        ("--accuracy_learning_rates=-1", "positive numbers"),
     )
     def test_bad_flags_are_refused_naming_the_flag(self, flag, named):
         proc = subprocess.run(
