@@ -224,13 +224,13 @@ def accuracy_targets(records) -> list[dict]:
         )
         grid = ", ".join(f"{r:g}" for r in rates)
 
-        def at(name, cell):
+        def where(name, cell):
             if cell[0] == float("inf"):
                 return f"{name} missed at every rate"
             return f"{name} at {cell[1]:g}"
 
         at = (
-            f" ({at('tf2sync', ours)}, {at('stock', theirs)})"
+            f" ({where('tf2sync', ours)}, {where('stock', theirs)})"
             if ours and theirs
             else ""
         )

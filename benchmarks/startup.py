@@ -53,7 +53,7 @@ WORKLOAD_TEXT = {
 }
 # The fields of a measurement, in the table's order: (field, header).
 FIELDS = (
-    ("before_schedule_s", "fit to 1st schedule s"),
+    ("before_schedule_s", "to 1st schedule s"),
     ("trace_s", "(a) trace s"),
     ("register_s", "(b) register + 1st run s"),
     ("steady_function_s", "(c) 1 function s"),
@@ -110,7 +110,8 @@ def _measure(bench, base, system, repeat):
 
 
 def _ratio(a, b):
-    """a / b, None where b is under 1 ms (a loop's `fit to 1st schedule`)."""
+    """a / b, None where b is under 1 ms (a loop's `to 1st schedule` in
+    runs that started its clock after its iterator)."""
     return ratio(a, b) if b is not None and b >= 0.001 else None
 
 
@@ -146,15 +147,19 @@ def startup_section(records) -> list[str]:
         return []
     lines = [
         "From the call of `model.fit` or `Trainer.train` (or the custom "
-        "loop's first `schedule`) to the first applied update (the "
+        "loop's first line, which builds each worker's iterator) to the "
+        "first applied update (the "
         "optimizer's `iterations` on the ps >= 1, polled by the chief every "
         "5 ms) and to the first function's result, each repeat in a fresh "
         "process (2 workers + 1 ps, in-process), the systems interleaved; "
         "medians. (a) the first `ClusterCoordinator.schedule` call "
         "(tracing); (b) from its return to the first function's result, "
         "minus (c) one steady-state function (one function per worker); "
-        "fit and the Trainer also spend `fit to 1st schedule` building "
-        "each worker's iterator. Each clock starts right after a full "
+        "every system first spends `to 1st schedule` building each "
+        "worker's iterator (fit also its data handler; runs before "
+        "the night of 2026-12-03 started the custom loops' clocks after "
+        "it). Each "
+        "clock starts right after a full "
         "garbage collection; `GC in it` is the collector's time up to the "
         "first update. Ratios are tf2sync / stock PSS.",
         "",

@@ -15,10 +15,11 @@ tf2sync/_src/jobs/digits.py, as accuracy.py trains it) and `resnet50`
 10 classes, batch 4 per worker).
 
 What is timed (time.perf_counter on the chief; t0 = the call of
-`model.fit`, or the loop's first `schedule`):
+`model.fit` or `Trainer.train`, or a custom loop's first line, which
+builds each worker's iterator):
 
 * `before_schedule_s`: t0 to the first `ClusterCoordinator.schedule`
-  (fit only: its data handler, each worker's iterator, the train function
+  (each worker's iterator; fit's data handler and train function
   wrapper);
 * `trace_s` (a): inside that first `schedule` call (the outermost, so
   tf2sync's `SyncCoordinator.schedule` included): `tf.function` tracing is
@@ -355,11 +356,6 @@ class _Server:
         self, strategy, model, opt, workload, batch, k, rounds, loss, unrolled
     ):
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        iterator = iter(
-            coordinator.create_per_worker_dataset(
-                lambda: _dataset(workload, batch)
-            )
-        )
         group = strategy.options.max_unrolled_steps if unrolled else None
 
         def replica(data):
@@ -388,6 +384,12 @@ class _Server:
 
         clock = _Clock(opt.iterations)
         t0 = _start_clock()
+        # Inside the clock, as `fit` and `Trainer.train` build theirs.
+        iterator = iter(
+            coordinator.create_per_worker_dataset(
+                lambda: _dataset(workload, batch)
+            )
+        )
         for _ in range(self.workers):  # one first function per worker
             coordinator.schedule(train, args=(iterator,))
         coordinator.join()
