@@ -224,7 +224,7 @@ class StartupSmokeTest(absltest.TestCase):
         for r in runs:
             # Each loop builds its iterators on its clock, as fit and the
             # Trainer do.
-            self.assertGreater(r["before_schedule_s"], 0, r)
+            self.assertGreater(r["before_schedule_s"], 0.005, r)
             self.assertGreater(r["trace_s"], 0, r)
             self.assertGreaterEqual(r["first_function_s"], r["trace_s"], r)
             self.assertGreater(r["first_update_s"], r["trace_s"], r)
