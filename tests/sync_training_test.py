@@ -499,9 +499,13 @@ class RestoreTest(absltest.TestCase):
         # Restoring step 0 makes it a leftover of another trajectory: the
         # next push drops it, and the update after the restore is exactly
         # one full-batch step from the restored weights. The dropped push's
-        # token comes back: the watchdog never has to release one.
+        # token comes back: the watchdog never has to release one. Its
+        # timeout is long (30 s) so that only a lost token makes it fire:
+        # with 2 s, the second fit's set-up under CPU load (two busy loops)
+        # outlasted it between the fits and it released tokens that were
+        # not lost.
         strategy = testutil.strategy(
-            2, replicas_to_aggregate=2, token_timeout=2.0
+            2, replicas_to_aggregate=2, token_timeout=30.0
         )
         x, y = testutil.data("sparse", 16)
         dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
