@@ -106,9 +106,7 @@ class _Server:
                 k=k,
                 epochs=options["epochs"],
                 target=options["target"],
-                learning_rate=options.get(
-                    "learning_rate", accuracy.LEARNING_RATE
-                ),
+                learning_rate=options["learning_rate"],
             )
         elif "_fit" in system:
             strategy = self._strategy(sync, shards=options.get("shards"))

@@ -175,17 +175,19 @@ def accuracy_targets(records) -> list[dict]:
     """Issue 21: tf2sync's `fit` reaches the digits target no later than
     stock asynchronous PSS's (seconds, medians over the repeats): at the
     grid's first learning rate, and each system at its best rate."""
+
+    def row(condition, value):
+        return _row(
+            f"digits: seconds to the accuracy target{condition}, "
+            "tf2sync_fit / pss_async_fit",
+            value,
+            "<= 1.00",
+            lambda v: v <= 1.0,
+        )
+
     found = sections.accuracy_runs(records)
     if not found:
-        return [
-            _row(
-                "digits: seconds to the accuracy target, tf2sync_fit / "
-                "pss_async_fit",
-                None,
-                "<= 1.00",
-                lambda v: v <= 1.0,
-            )
-        ]
+        return [row("", None)]
 
     def seconds_of(key):
         values = [r.get("seconds_to_target") for r in found.get(key, [])]
@@ -200,29 +202,17 @@ def accuracy_targets(records) -> list[dict]:
         cells = [(seconds_of(key), key[1]) for key in found if key[0] == system]
         return min(cells, default=None)
 
-    rates = sorted({rate for _, rate in found})
     some = next(iter(found.values()))[0]
-    first = some.get("learning_rates", [0.05])[0]  # the grid's first
+    grid = some.get("learning_rates", [sections.ACCURACY_UNRECORDED_RATE])
+    first = grid[0]
     ours = seconds_of(("tf2sync_fit", first))
     theirs = seconds_of(("pss_async_fit", first))
     value = None if ours is None or theirs is None else ratio(ours, theirs)
-    rows = [
-        _row(
-            f"digits: seconds to the accuracy target at learning rate "
-            f"{first:g}, tf2sync_fit / pss_async_fit",
-            value,
-            "<= 1.00",
-            lambda v: v <= 1.0,
-        )
-    ]
+    rows = [row(f" at learning rate {first:g}", value)]
+    rates = sorted({rate for _, rate in found})
     if len(rates) > 1:
         ours, theirs = best("tf2sync_fit"), best("pss_async_fit")
-        value = (
-            None
-            if ours is None or theirs is None
-            else ratio(ours[0], theirs[0])
-        )
-        grid = ", ".join(f"{r:g}" for r in rates)
+        value = None if not (ours and theirs) else ratio(ours[0], theirs[0])
 
         def where(name, cell):
             if cell[0] == float("inf"):
@@ -234,15 +224,8 @@ def accuracy_targets(records) -> list[dict]:
             if ours and theirs
             else ""
         )
-        rows.append(
-            _row(
-                f"digits: seconds to the accuracy target, each at its best "
-                f"rate of {grid}{at}, tf2sync_fit / pss_async_fit",
-                value,
-                "<= 1.00",
-                lambda v: v <= 1.0,
-            )
-        )
+        listed = ", ".join(f"{r:g}" for r in rates)
+        rows.append(row(f", each at its best rate of {listed}{at}", value))
     return rows
 
 

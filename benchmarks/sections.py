@@ -540,12 +540,16 @@ def memory_section(records) -> list[str]:
     ]
 
 
+# The rate of accuracy runs recorded before the grid of rates (accuracy.py's
+# LEARNING_RATE then): their records name none.
+ACCURACY_UNRECORDED_RATE = 0.05
+
+
 def accuracy_runs(records) -> dict:
-    """{(system, learning rate): [runs]} of the accuracy scenario (runs
-    from before the rate was recorded at accuracy.py's one rate)."""
+    """{(system, learning rate): [runs]} of the accuracy scenario."""
     found = {}
     for r in runs(records, "accuracy"):
-        rate = r.get("learning_rate", 0.05)
+        rate = r.get("learning_rate", ACCURACY_UNRECORDED_RATE)
         found.setdefault((r["system"], rate), []).append(r)
     return found
 

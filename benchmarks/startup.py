@@ -148,20 +148,18 @@ def startup_section(records) -> list[str]:
     lines = [
         "From the call of `model.fit` or `Trainer.train` (or the custom "
         "loop's first line, which builds each worker's iterator) to the "
-        "first applied update (the "
-        "optimizer's `iterations` on the ps >= 1, polled by the chief every "
-        "5 ms) and to the first function's result, each repeat in a fresh "
-        "process (2 workers + 1 ps, in-process), the systems interleaved; "
-        "medians. (a) the first `ClusterCoordinator.schedule` call "
-        "(tracing); (b) from its return to the first function's result, "
-        "minus (c) one steady-state function (one function per worker); "
-        "every system first spends `to 1st schedule` building each "
-        "worker's iterator (fit also its data handler; runs before "
-        "the night of 2026-12-03 started the custom loops' clocks after "
-        "it). Each "
-        "clock starts right after a full "
-        "garbage collection; `GC in it` is the collector's time up to the "
-        "first update. Ratios are tf2sync / stock PSS.",
+        "first applied update (the optimizer's `iterations` on the ps >= 1, "
+        "polled by the chief every 5 ms) and to the first function's "
+        "result, each repeat in a fresh process (2 workers + 1 ps, "
+        "in-process), the systems interleaved; medians. (a) the first "
+        "`ClusterCoordinator.schedule` call (tracing); (b) from its return "
+        "to the first function's result, minus (c) one steady-state "
+        "function (one function per worker); every system first spends "
+        "`to 1st schedule` building each worker's iterator (fit also its "
+        "data handler; runs before the night of 2026-12-03 started the "
+        "custom loops' clocks after it). Each clock starts right after a "
+        "full garbage collection; `GC in it` is the collector's time up to "
+        "the first update. Ratios are tf2sync / stock PSS.",
         "",
     ]
     measured = {workload for workload, _ in found}
