@@ -3,7 +3,7 @@
 The launcher's default job (`tf2sync._src.jobs.digits`: a small conv net,
 1,500 training and 297 held-out images, its `train_dataset` through a
 `DatasetCreator`), trained with `model.fit` (steps_per_execution=K) and
-momentum SGD (0.05, 0.9), synchronously (tf2sync) or asynchronously (stock
+momentum SGD (momentum 0.9), synchronously (tf2sync) or asynchronously (stock
 PSS). Each epoch is 1,500 / B replica steps for both, so both see the same
 examples; after each, the held-out accuracy is measured off the clock.
 
@@ -25,7 +25,6 @@ import tensorflow as tf  # noqa: E402
 import tf2sync  # noqa: E402
 from tf2sync._src.jobs import digits  # noqa: E402
 
-LEARNING_RATE = 0.05
 BATCH = 32
 
 
@@ -67,7 +66,7 @@ class AccuracyRunner:
         k,
         epochs,
         target,
-        learning_rate=LEARNING_RATE,
+        learning_rate,
     ):
         self.make_strategy = make_strategy
         self.sync = sync
