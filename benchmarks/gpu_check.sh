@@ -12,13 +12,17 @@
 # Writes OUT_DIR/gpu_check.md, a Markdown table (one row per part: exit
 # code, seconds, what it printed), and prints it. Exits 1 if a part failed
 # (or ran past its limit: 120 + 120 + 210 s, 7.5 min in all), 2 if the
-# interpreter cannot import TensorFlow. On a machine without a GPU it says
-# that it skipped the GPU parts, still writes the table (each row
-# "skipped: no GPU") and exits 0, so CI runs it too.
+# interpreter cannot import TensorFlow, or if nvidia-smi lists a GPU that
+# TensorFlow does not see (pip's `tensorflow` brings no CUDA libraries:
+# `pip install 'tensorflow[and-cuda]==2.21.*'` in the same environment).
+# On a machine without a GPU it says that it skipped the GPU parts, still
+# writes the table (each row "skipped: no GPU") and exits 0, so CI runs it
+# too.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]     # default: /tmp/gpu_check
 #
-# PYTHON selects the interpreter (default: .venv/bin/python, else python3).
+# PYTHON selects the interpreter (default: .venv/bin/python, else python3);
+# it needs tf2sync installed with the `bench` and `examples` extras.
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-/tmp/gpu_check}"
@@ -39,6 +43,16 @@ if ! gpus=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c \
 fi
 gpus=$(printf '%s\n' "$gpus" | tail -1)
 case "$gpus" in '' | *[!0-9]*) gpus=0 ;; esac
+# A GPU TensorFlow cannot use is not "no GPU" either: it stops the check.
+listed=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU [0-9]')
+if [ "$gpus" -eq 0 ] && [ "${listed:-0}" -gt 0 ]; then
+  version=$("$PY" -c 'import importlib.metadata as m
+print(".".join(m.version("tensorflow").split(".")[:2]))' 2>/dev/null)
+  echo "gpu_check: nvidia-smi lists $listed GPU(s) but TensorFlow sees none:" \
+    "install its CUDA libraries (pip install" \
+    "'tensorflow[and-cuda]==${version:-2.21}.*') for $PY." >&2
+  exit 2
+fi
 FAILED=0
 device="no GPU"
 if [ "$gpus" -gt 0 ]; then

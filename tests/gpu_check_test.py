@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.sh on a machine without a GPU: it says it skipped
-the GPU parts, writes its table and exits 0; the flags its GPU parts pass
-exist (each command line parses)."""
+the GPU parts, writes its table and exits 0; it stops where TensorFlow
+cannot run or cannot see a GPU nvidia-smi lists; the flags its GPU parts
+pass exist (each command line parses)."""
 
 import os
 import re
@@ -21,14 +22,18 @@ def _has_gpu():
     return bool(tf.config.list_physical_devices("GPU"))
 
 
-def _check(out_dir, python):
-    """Runs the script with PYTHON=`python`; its CompletedProcess."""
+def _check(out_dir, python, path=None):
+    """Runs the script with PYTHON=`python` (and PATH=`path`); its
+    CompletedProcess."""
+    env = dict(procutil.ENV, PYTHON=python)
+    if path is not None:
+        env["PATH"] = path
     return subprocess.run(
         ["bash", _SCRIPT, out_dir],
         capture_output=True,
         text=True,
         timeout=120,
-        env=dict(procutil.ENV, PYTHON=python),
+        env=env,
     )
 
 
@@ -58,6 +63,30 @@ class GpuCheckTest(absltest.TestCase):
         done = _check(tempfile.mkdtemp(), "/bin/false")
         self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
         self.assertIn("cannot import TensorFlow", done.stderr)
+        self.assertNotIn("skipped the GPU parts", done.stdout)
+
+    def test_a_gpu_tensorflow_does_not_see_is_not_no_gpu(self):
+        # pip's tensorflow without its CUDA libraries sees no GPU on a GPU
+        # machine: the check stops (exit 2) and says what to install,
+        # rather than skip every part and pass. nvidia-smi here is a stub
+        # that lists one GPU.
+        if _has_gpu():
+            self.skipTest("a GPU is here: TensorFlow sees it")
+        bin_dir = tempfile.mkdtemp()
+        stub = os.path.join(bin_dir, "nvidia-smi")
+        with open(stub, "w") as f:
+            f.write('#!/bin/sh\necho "GPU 0: NVIDIA H200 (UUID: GPU-0)"\n')
+        os.chmod(stub, 0o755)
+        done = _check(
+            tempfile.mkdtemp(),
+            sys.executable,
+            path=bin_dir + os.pathsep + procutil.ENV.get("PATH", ""),
+        )
+        self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
+        self.assertIn(
+            "nvidia-smi lists 1 GPU(s) but TensorFlow sees none", done.stderr
+        )
+        self.assertIn("pip install 'tensorflow[and-cuda]==2.", done.stderr)
         self.assertNotIn("skipped the GPU parts", done.stdout)
 
     def test_the_gpu_parts_command_lines_parse(self):

@@ -199,7 +199,8 @@ class BadInputTest(parameterized.TestCase):
         self._check_refused(
             ["--num_gpus=1"],
             "--num_gpus=1: this machine shows TensorFlow no GPU "
-            "(--num_gpus=0 trains on CPU).",
+            "(--num_gpus=0 trains on CPU; TensorFlow's CUDA libraries: pip "
+            "install 'tensorflow[and-cuda]==2.21.*').",
         )
 
     def test_service_sharding_with_the_tf1_shim(self):

@@ -280,7 +280,11 @@ class LaunchTest(parameterized.TestCase):
             timeout=60,
         )
         self.assertNotEqual(out.returncode, 0)
-        self.assertIn("--num_gpus=1 but this worker sees 0 GPU(s).", out.stderr)
+        self.assertIn(
+            "--num_gpus=1 but this worker sees 0 GPU(s) (TensorFlow's CUDA "
+            "libraries: pip install 'tensorflow[and-cuda]==2.21.*').",
+            out.stderr,
+        )
 
     @parameterized.named_parameters(
         ("ctrl_c", signal.SIGINT, "", 130, "interrupted (Ctrl-C)"),

@@ -451,7 +451,7 @@ def _check_local_gpus():
     if available == 0:
         raise app.UsageError(
             f"--num_gpus={wanted}: this machine shows TensorFlow no GPU "
-            "(--num_gpus=0 trains on CPU).",
+            f"(--num_gpus=0 trains on CPU; {_cuda_hint()}).",
             exitcode=2,
         )
     if wanted > available:
@@ -460,6 +460,19 @@ def _check_local_gpus():
             f"{available} GPU(s); a worker takes at most that many.",
             exitcode=2,
         )
+
+
+def _cuda_hint() -> str:
+    """Where a GPU machine shows TensorFlow none: pip's `tensorflow` has no
+    CUDA libraries of its own; its `and-cuda` extra installs them."""
+    from importlib import metadata
+
+    try:
+        major, minor = metadata.version("tensorflow").split(".")[:2]
+        wanted = f"tensorflow[and-cuda]=={major}.{minor}.*"
+    except (metadata.PackageNotFoundError, ValueError):
+        wanted = "tensorflow[and-cuda]"
+    return f"TensorFlow's CUDA libraries: pip install '{wanted}'"
 
 
 def _check_input_sharding():
@@ -655,8 +668,10 @@ def _place_devices(job):
     if wanted is None:
         wanted = len(gpus)
     if wanted > len(gpus):
+        hint = f" ({_cuda_hint()})" if not gpus else ""
         raise app.UsageError(
-            f"--num_gpus={wanted} but this worker sees {len(gpus)} GPU(s)."
+            f"--num_gpus={wanted} but this worker sees {len(gpus)} GPU(s)"
+            f"{hint}."
         )
     tf.config.set_visible_devices(gpus[:wanted], "GPU")
     logging.info("worker uses %d GPU(s)", wanted)
