@@ -191,6 +191,28 @@ class BadInputTest(parameterized.TestCase):
     def test_bad_timeout(self, arg, bound):
         self._check_refused([arg], f"{arg}: must be {bound}.")
 
+    @parameterized.named_parameters(
+        ("learning_rate_negative", "--learning_rate=-0.1", "-0.1"),
+        ("learning_rate_0", "--learning_rate=0", "0"),
+        ("learning_rate_nan", "--learning_rate=nan", "nan"),
+        ("learning_rate_inf", "--learning_rate=inf", "inf"),
+    )
+    def test_bad_learning_rate(self, arg, shown):
+        # A NaN or infinite rate trained on before: every gradient after
+        # its first update was non-finite and dropped, and the job exited 0.
+        self._check_refused(
+            [arg], f"--learning_rate={shown}: must be a finite number > 0."
+        )
+
+    @parameterized.named_parameters(
+        ("above_1", "--momentum=1.5", "1.5"),
+        ("negative", "--momentum=-0.5", "-0.5"),
+        ("nan", "--momentum=nan", "nan"),
+    )
+    def test_bad_momentum(self, arg, shown):
+        # tf_keras's SGD refuses it too, but only once the cluster started.
+        self._check_refused([arg], f"--momentum={shown}: must be in [0, 1].")
+
     def test_local_gpus_on_a_machine_without_one(self):
         import tensorflow as tf
 

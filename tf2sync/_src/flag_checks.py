@@ -11,6 +11,7 @@ checked by `checkpointing.check_model_fits`.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from absl import app
@@ -58,6 +59,20 @@ def check_positive(values: dict) -> None:
     for name, value in values.items():
         if value is not None and not value > 0:
             _refuse(f"--{name}={value:g}: must be > 0.")
+
+
+def check_optimizer_flags(learning_rate: float, momentum: float) -> None:
+    """Refuses a learning rate that is not a finite number > 0, and a
+    momentum outside tf_keras SGD's [0, 1] (refused there too, but only
+    once the cluster has started). A NaN or infinite rate would otherwise
+    train on: its first update makes every later gradient non-finite, and
+    each is dropped."""
+    if not math.isfinite(learning_rate) or learning_rate <= 0:
+        _refuse(
+            f"--learning_rate={learning_rate:g}: must be a finite number > 0."
+        )
+    if not 0 <= momentum <= 1:  # NaN too
+        _refuse(f"--momentum={momentum:g}: must be in [0, 1].")
 
 
 def _is_remote(path: str) -> bool:

@@ -392,6 +392,7 @@ def _check_input():
     flag_checks.check_positive(
         {h.name: h.value for h in (_CONNECT_TIMEOUT, _EVAL_TIMEOUT)}
     )
+    flag_checks.check_optimizer_flags(_LEARNING_RATE.value, _MOMENTUM.value)
     _check_input_sharding()
     role = _JOB_NAME.value
     source = _cluster_source()
