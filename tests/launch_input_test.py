@@ -344,6 +344,47 @@ class BadInputTest(parameterized.TestCase):
         env["TF_CONFIG"] = json.dumps({"cluster": spec, "task": task})
         self._check_refused([], line, env=env)
 
+    def test_one_address_for_two_tasks(self):
+        # The second task's server could not listen there: refused at once,
+        # in every task, rather than the chief waiting --connect_timeout.
+        a, b = (
+            f"127.0.0.1:{port}" for port in tf2sync.testing.pick_free_ports(2)
+        )
+        for args, line in (
+            (
+                ["--job_name=worker", f"--ps_hosts={a}", f"--worker_hosts={a}"],
+                f"--worker_hosts={a}: {a} is also ps 0;",
+            ),
+            (
+                ["--job_name=ps", f"--ps_hosts={a}", f"--worker_hosts={b},{b}"],
+                f"--worker_hosts={b},{b}: {b} is also worker 0;",
+            ),
+            (
+                [
+                    "--job_name=chief",
+                    f"--chief_host={b}",
+                    f"--ps_hosts={a}",
+                    f"--worker_hosts={b}",
+                ],
+                f"--chief_host={b}: {b} is also worker 0;",
+            ),
+        ):
+            with self.subTest(args=args):
+                self._check_refused(
+                    args, line + " each task needs its own host:port."
+                )
+        env = dict(procutil.ENV)
+        cluster = {"chief": [a], "worker": [b, b], "ps": [a]}
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": 1}}
+        )
+        self._check_refused(
+            [],
+            f"TF_CONFIG cluster worker={[b, b]}: {b} is also worker 0; each "
+            "task needs its own host:port.",
+            env=env,
+        )
+
     @parameterized.named_parameters(
         (
             "other_shape",

@@ -153,6 +153,9 @@ def parse_tf_config(text: str) -> dict:
             "TF_CONFIG must hold a 'cluster' object and a 'task' object. "
             f"Received: {text}"
         )
+    check_distinct_addresses(
+        cluster, lambda role, hosts: f"TF_CONFIG cluster {role}={hosts}"
+    )
     task_type, index = task.get("type"), task.get("index", 0)
     where = f"TF_CONFIG task type={task_type!r} index={index!r}"
     if task_type not in _TASK_TYPES:
@@ -176,6 +179,25 @@ def parse_tf_config(text: str) -> dict:
             f"index 0 to {len(hosts) - 1}."
         )
     return config
+
+
+def check_distinct_addresses(cluster: dict, named) -> None:
+    """Refuses a cluster that names one host:port for two tasks: the second
+    task's server cannot listen there, and the chief would wait for it for
+    --connect_timeout. `named(role, hosts)` is how the refusal names the
+    argument that holds `role`'s `hosts` (a flag and its value, or
+    TF_CONFIG)."""
+    seen = {}
+    for role, hosts in cluster.items():
+        if not isinstance(hosts, list):
+            continue
+        for index, host in enumerate(hosts):
+            if host in seen:
+                _refuse(
+                    f"{named(role, hosts)}: {host} is also {seen[host]}; "
+                    "each task needs its own host:port."
+                )
+            seen[host] = f"{role} {index}"
 
 
 def check_epochs_left(

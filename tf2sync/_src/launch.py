@@ -566,6 +566,16 @@ def _spec_from_flags():
     spec = {"ps": _PS_HOSTS.value, "worker": _WORKER_HOSTS.value}
     if _CHIEF_HOST.value:
         spec["chief"] = [_CHIEF_HOST.value]
+    from tf2sync._src import flag_checks
+
+    flag_checks.check_distinct_addresses(
+        spec,
+        lambda role, hosts: (
+            f"--chief_host={hosts[0]}"
+            if role == "chief"
+            else f"--{role}_hosts={','.join(hosts)}"
+        ),
+    )
     job = _JOB_NAME.value
     if job in spec and _TASK_INDEX.value >= len(spec[job]):
         raise app.UsageError(
