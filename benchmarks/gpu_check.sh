@@ -13,8 +13,9 @@
 # code, seconds, what it printed), and prints it. Exits 1 if a part failed
 # (or ran past its limit: 120 + 120 + 210 s, 7.5 min in all), 2 if the
 # interpreter cannot import TensorFlow, or if nvidia-smi lists a GPU that
-# TensorFlow does not see (pip's `tensorflow` brings no CUDA libraries:
-# `pip install 'tensorflow[and-cuda]==2.21.*'` in the same environment).
+# TensorFlow does not see and CUDA_VISIBLE_DEVICES does not hide (pip's
+# `tensorflow` brings no CUDA libraries: `$PYTHON -m pip install
+# 'tensorflow[and-cuda]==2.21.*'`).
 # On a machine without a GPU it says that it skipped the GPU parts, still
 # writes the table (each row "skipped: no GPU") and exits 0, so CI runs it
 # too.
@@ -43,14 +44,20 @@ if ! gpus=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c \
 fi
 gpus=$(printf '%s\n' "$gpus" | tail -1)
 case "$gpus" in '' | *[!0-9]*) gpus=0 ;; esac
-# A GPU TensorFlow cannot use is not "no GPU" either: it stops the check.
-listed=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU [0-9]')
+# A GPU TensorFlow cannot use is not "no GPU" either: it stops the check,
+# unless CUDA_VISIBLE_DEVICES hides the GPUs on purpose (nvidia-smi ignores
+# it).
+listed=0
+case "${CUDA_VISIBLE_DEVICES-unset}" in
+  '' | -1) ;;
+  *) listed=$(timeout 10 nvidia-smi -L 2>/dev/null | grep -c '^GPU [0-9]') ;;
+esac
 if [ "$gpus" -eq 0 ] && [ "${listed:-0}" -gt 0 ]; then
   version=$("$PY" -c 'import importlib.metadata as m
 print(".".join(m.version("tensorflow").split(".")[:2]))' 2>/dev/null)
-  echo "gpu_check: nvidia-smi lists $listed GPU(s) but TensorFlow sees none:" \
-    "install its CUDA libraries (pip install" \
-    "'tensorflow[and-cuda]==${version:-2.21}.*') for $PY." >&2
+  echo "gpu_check: nvidia-smi lists $listed GPU(s) but TensorFlow sees none" \
+    "(its log: $OUT_DIR/detect.log): install its CUDA libraries:" \
+    "$PY -m pip install 'tensorflow[and-cuda]==${version:-2.21}.*'" >&2
   exit 2
 fi
 FAILED=0

@@ -5,6 +5,7 @@ pass exist (each command line parses)."""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,12 +23,15 @@ def _has_gpu():
     return bool(tf.config.list_physical_devices("GPU"))
 
 
-def _check(out_dir, python, path=None):
-    """Runs the script with PYTHON=`python` (and PATH=`path`); its
-    CompletedProcess."""
+def _check(out_dir, python, **env_vars):
+    """Runs the script with PYTHON=`python` and `env_vars` (None: unset);
+    its CompletedProcess."""
     env = dict(procutil.ENV, PYTHON=python)
-    if path is not None:
-        env["PATH"] = path
+    for name, value in env_vars.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return subprocess.run(
         ["bash", _SCRIPT, out_dir],
         capture_output=True,
@@ -38,6 +42,11 @@ def _check(out_dir, python, path=None):
 
 
 class GpuCheckTest(absltest.TestCase):
+    def _tempdir(self):
+        path = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, path, ignore_errors=True)
+        return path
+
     def test_without_a_gpu_it_skips_and_writes_its_table(self):
         if _has_gpu():
             self.skipTest("a GPU is here: the script would run its parts")
@@ -72,22 +81,38 @@ class GpuCheckTest(absltest.TestCase):
         # that lists one GPU.
         if _has_gpu():
             self.skipTest("a GPU is here: TensorFlow sees it")
-        bin_dir = tempfile.mkdtemp()
+        bin_dir = self._tempdir()
         stub = os.path.join(bin_dir, "nvidia-smi")
         with open(stub, "w") as f:
             f.write('#!/bin/sh\necho "GPU 0: NVIDIA H200 (UUID: GPU-0)"\n')
         os.chmod(stub, 0o755)
+        path = bin_dir + os.pathsep + procutil.ENV.get("PATH", "")
         done = _check(
-            tempfile.mkdtemp(),
+            self._tempdir(),
             sys.executable,
-            path=bin_dir + os.pathsep + procutil.ENV.get("PATH", ""),
+            PATH=path,
+            CUDA_VISIBLE_DEVICES=None,
         )
         self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
         self.assertIn(
             "nvidia-smi lists 1 GPU(s) but TensorFlow sees none", done.stderr
         )
-        self.assertIn("pip install 'tensorflow[and-cuda]==2.", done.stderr)
+        self.assertIn(
+            f"{sys.executable} -m pip install 'tensorflow[and-cuda]==2.",
+            done.stderr,
+        )
         self.assertNotIn("skipped the GPU parts", done.stdout)
+        # GPUs hidden on purpose (CUDA_VISIBLE_DEVICES, which nvidia-smi
+        # ignores) are skipped as before.
+        for hidden in ("", "-1"):
+            done = _check(
+                self._tempdir(),
+                sys.executable,
+                PATH=path,
+                CUDA_VISIBLE_DEVICES=hidden,
+            )
+            self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+            self.assertIn("skipped the GPU parts", done.stdout)
 
     def test_the_gpu_parts_command_lines_parse(self):
         # Each part's flags, then one the program refuses after parsing

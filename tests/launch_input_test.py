@@ -193,7 +193,7 @@ class BadInputTest(parameterized.TestCase):
 
     @parameterized.named_parameters(
         ("learning_rate_negative", "--learning_rate=-0.1", "-0.1"),
-        ("learning_rate_0", "--learning_rate=0", "0"),
+        ("learning_rate_0", "--learning_rate=0", "0.0"),
         ("learning_rate_nan", "--learning_rate=nan", "nan"),
         ("learning_rate_inf", "--learning_rate=inf", "inf"),
     )
@@ -213,6 +213,39 @@ class BadInputTest(parameterized.TestCase):
         # tf_keras's SGD refuses it too, but only once the cluster started.
         self._check_refused([arg], f"--momentum={shown}: must be in [0, 1].")
 
+    def test_optimizer_flags_at_their_bounds_are_taken(self):
+        from tf2sync._src import flag_checks
+
+        for rate, momentum in ((1e-9, 0.0), (10.0, 1.0)):
+            flag_checks.check_optimizer_flags(rate, momentum)  # no refusal
+        with self.assertRaisesRegex(app.UsageError, "--momentum=1.0000001"):
+            flag_checks.check_optimizer_flags(0.1, 1.0000001)
+
+    def test_cluster_tasks_that_are_not_distinct_strings(self):
+        from tf2sync._src import flag_checks
+
+        def named(role, hosts):
+            return f"TF_CONFIG cluster {role}={json.dumps(hosts)}"
+
+        for cluster, message in (
+            (  # TF's sparse form, {index: host}
+                {"ps": ["h:1"], "worker": {"0": "h:2", "3": "h:2"}},
+                "h:2 is both worker 0 and worker 3;",
+            ),
+            (
+                {"ps": ["h:1"], "worker": [["h:2"]]},
+                "each task must be a host:port string. Received: ['h:2']",
+            ),
+            ({"ps": ["h:1"], "worker": [None]}, "Received: None"),
+        ):
+            with self.subTest(cluster=cluster):
+                with self.assertRaises(app.UsageError) as refused:
+                    flag_checks.check_distinct_addresses(cluster, named)
+                self.assertIn(message, str(refused.exception))
+        flag_checks.check_distinct_addresses(  # distinct: no refusal
+            {"chief": ["h:0"], "ps": ["h:1"], "worker": {"0": "h:2"}}, named
+        )
+
     def test_local_gpus_on_a_machine_without_one(self):
         import tensorflow as tf
 
@@ -221,8 +254,9 @@ class BadInputTest(parameterized.TestCase):
         self._check_refused(
             ["--num_gpus=1"],
             "--num_gpus=1: this machine shows TensorFlow no GPU "
-            "(--num_gpus=0 trains on CPU; TensorFlow's CUDA libraries: pip "
-            "install 'tensorflow[and-cuda]==2.21.*').",
+            "(--num_gpus=0 trains on CPU; on an NVIDIA GPU machine "
+            "TensorFlow needs its CUDA libraries: "
+            f"{sys.executable} -m pip install 'tensorflow[and-cuda]==2.21.*').",
         )
 
     def test_service_sharding_with_the_tf1_shim(self):
@@ -353,11 +387,11 @@ class BadInputTest(parameterized.TestCase):
         for args, line in (
             (
                 ["--job_name=worker", f"--ps_hosts={a}", f"--worker_hosts={a}"],
-                f"--worker_hosts={a}: {a} is also ps 0;",
+                f"--worker_hosts={a}: {a} is both ps 0 and worker 0;",
             ),
             (
                 ["--job_name=ps", f"--ps_hosts={a}", f"--worker_hosts={b},{b}"],
-                f"--worker_hosts={b},{b}: {b} is also worker 0;",
+                f"--worker_hosts={b},{b}: {b} is both worker 0 and worker 1;",
             ),
             (
                 [
@@ -366,7 +400,7 @@ class BadInputTest(parameterized.TestCase):
                     f"--ps_hosts={a}",
                     f"--worker_hosts={b}",
                 ],
-                f"--chief_host={b}: {b} is also worker 0;",
+                f"--chief_host={b}: {b} is both worker 0 and chief 0;",
             ),
         ):
             with self.subTest(args=args):
@@ -380,8 +414,8 @@ class BadInputTest(parameterized.TestCase):
         )
         self._check_refused(
             [],
-            f"TF_CONFIG cluster worker={[b, b]}: {b} is also worker 0; each "
-            "task needs its own host:port.",
+            f"TF_CONFIG cluster worker={json.dumps([b, b])}: {b} is both "
+            "worker 0 and worker 1; each task needs its own host:port.",
             env=env,
         )
 

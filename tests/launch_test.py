@@ -280,9 +280,11 @@ class LaunchTest(parameterized.TestCase):
             timeout=60,
         )
         self.assertNotEqual(out.returncode, 0)
+        self.assertEqual(out.returncode, 2, out.stderr[-3000:])
         self.assertIn(
-            "--num_gpus=1 but this worker sees 0 GPU(s) (TensorFlow's CUDA "
-            "libraries: pip install 'tensorflow[and-cuda]==2.21.*').",
+            "--num_gpus=1 but this worker sees 0 GPU(s) (on an NVIDIA GPU "
+            "machine TensorFlow needs its CUDA libraries: "
+            f"{sys.executable} -m pip install 'tensorflow[and-cuda]==2.21.*').",
             out.stderr,
         )
 

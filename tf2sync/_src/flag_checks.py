@@ -69,10 +69,10 @@ def check_optimizer_flags(learning_rate: float, momentum: float) -> None:
     each is dropped."""
     if not math.isfinite(learning_rate) or learning_rate <= 0:
         _refuse(
-            f"--learning_rate={learning_rate:g}: must be a finite number > 0."
+            f"--learning_rate={learning_rate!r}: must be a finite number > 0."
         )
     if not 0 <= momentum <= 1:  # NaN too
-        _refuse(f"--momentum={momentum:g}: must be in [0, 1].")
+        _refuse(f"--momentum={momentum!r}: must be in [0, 1].")
 
 
 def _is_remote(path: str) -> bool:
@@ -154,7 +154,8 @@ def parse_tf_config(text: str) -> dict:
             f"Received: {text}"
         )
     check_distinct_addresses(
-        cluster, lambda role, hosts: f"TF_CONFIG cluster {role}={hosts}"
+        cluster,
+        lambda role, hosts: f"TF_CONFIG cluster {role}={json.dumps(hosts)}",
     )
     task_type, index = task.get("type"), task.get("index", 0)
     where = f"TF_CONFIG task type={task_type!r} index={index!r}"
@@ -182,20 +183,34 @@ def parse_tf_config(text: str) -> dict:
 
 
 def check_distinct_addresses(cluster: dict, named) -> None:
-    """Refuses a cluster that names one host:port for two tasks: the second
+    """Refuses a cluster that names one host:port for two tasks (the second
     task's server cannot listen there, and the chief would wait for it for
-    --connect_timeout. `named(role, hosts)` is how the refusal names the
-    argument that holds `role`'s `hosts` (a flag and its value, or
-    TF_CONFIG)."""
+    --connect_timeout), or a task that is not a string.
+
+    Args:
+      cluster: Role to its hosts: a list, or TF's `{index: host}`; other
+        values are left to the checks that read them.
+      named: `named(role, hosts)` names, in the refusal, the argument that
+        holds `role`'s `hosts` (a flag and its value, or TF_CONFIG's).
+    """
     seen = {}
     for role, hosts in cluster.items():
-        if not isinstance(hosts, list):
+        if isinstance(hosts, dict):  # TF's sparse form: {index: host}
+            tasks = list(hosts.items())
+        elif isinstance(hosts, list):
+            tasks = list(enumerate(hosts))
+        else:
             continue
-        for index, host in enumerate(hosts):
+        for index, host in tasks:
+            if not isinstance(host, str):
+                _refuse(
+                    f"{named(role, hosts)}: each task must be a host:port "
+                    f"string. Received: {host!r}"
+                )
             if host in seen:
                 _refuse(
-                    f"{named(role, hosts)}: {host} is also {seen[host]}; "
-                    "each task needs its own host:port."
+                    f"{named(role, hosts)}: {host} is both {seen[host]} and "
+                    f"{role} {index}; each task needs its own host:port."
                 )
             seen[host] = f"{role} {index}"
 

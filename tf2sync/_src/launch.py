@@ -148,7 +148,11 @@ _LEARNING_RATE = flags.DEFINE_float(
     0.01,
     "Base SGD rate (the default job scales it per variable group).",
 )
-_MOMENTUM = flags.DEFINE_float("momentum", 0.9, "SGD momentum.")
+_MOMENTUM = flags.DEFINE_float(
+    "momentum",
+    0.9,
+    "SGD momentum, in [0, 1] (a job's build_optimizer gets it too).",
+)
 _NUM_GPUS = flags.DEFINE_integer(
     "num_gpus",
     None,
@@ -404,6 +408,8 @@ def _check_input():
     elif source == "local":
         _local_workers_and_ps()  # this process is the chief
         role = "chief"
+    elif source == "flags" and role in ("ps", "worker", "chief"):
+        _check_num_ps(len(_spec_from_flags(warn=False)["ps"]))
     if role in ("ps", "worker"):
         return
     evaluator = role == "evaluator"
@@ -464,8 +470,9 @@ def _check_local_gpus():
 
 
 def _cuda_hint() -> str:
-    """Where a GPU machine shows TensorFlow none: pip's `tensorflow` has no
-    CUDA libraries of its own; its `and-cuda` extra installs them."""
+    """What to install where an NVIDIA GPU machine shows TensorFlow no GPU:
+    pip's `tensorflow` brings no CUDA libraries; its `and-cuda` extra
+    does, for this interpreter."""
     from importlib import metadata
 
     try:
@@ -473,7 +480,10 @@ def _cuda_hint() -> str:
         wanted = f"tensorflow[and-cuda]=={major}.{minor}.*"
     except (metadata.PackageNotFoundError, ValueError):
         wanted = "tensorflow[and-cuda]"
-    return f"TensorFlow's CUDA libraries: pip install '{wanted}'"
+    return (
+        "on an NVIDIA GPU machine TensorFlow needs its CUDA libraries: "
+        f"{sys.executable} -m pip install '{wanted}'"
+    )
 
 
 def _check_input_sharding():
@@ -555,7 +565,9 @@ def _warn_public(hosts):
             )
 
 
-def _spec_from_flags():
+def _spec_from_flags(warn=True):
+    """The cluster the role flags name, refused (usage error) where a task
+    could not serve it; `warn`: log each public address."""
     if not _PS_HOSTS.value or not _WORKER_HOSTS.value:
         raise app.UsageError(
             "--job_name needs --ps_hosts and --worker_hosts. Received: "
@@ -585,7 +597,8 @@ def _spec_from_flags():
         )
     if job == "chief" and "chief" not in spec:
         raise app.UsageError("--job_name=chief needs --chief_host.", exitcode=2)
-    _warn_public([h for hosts in spec.values() for h in hosts])
+    if warn:
+        _warn_public([h for hosts in spec.values() for h in hosts])
     return spec
 
 
@@ -682,7 +695,8 @@ def _place_devices(job):
         hint = f" ({_cuda_hint()})" if not gpus else ""
         raise app.UsageError(
             f"--num_gpus={wanted} but this worker sees {len(gpus)} GPU(s)"
-            f"{hint}."
+            f"{hint}.",
+            exitcode=2,
         )
     tf.config.set_visible_devices(gpus[:wanted], "GPU")
     logging.info("worker uses %d GPU(s)", wanted)

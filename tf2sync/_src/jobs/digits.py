@@ -9,9 +9,11 @@ names; write your own and pass `--job_module=your.module`:
 * `eval_arrays() -> (x, y)`, held-out NumPy arrays;
 * `num_train_examples() -> int`;
 * `LOSS` and `METRICS`, passed to `model.compile`;
-* optionally `optimizer_groups(learning_rate, momentum)`: a list of
+* optionally `optimizer_groups(learning_rate)`: a list of
   `(description, predicate, learning_rate)` giving each variable group its
-  own rate (a `tf2sync.MultiOptimizer` of momentum SGDs).
+  own rate (a `tf2sync.MultiOptimizer` of momentum SGDs), or
+  `build_optimizer(learning_rate, momentum)`: the tf_keras optimizer itself
+  (see `clicks.py`).
 """
 
 from __future__ import annotations
