@@ -452,6 +452,56 @@ class FitTest(parameterized.TestCase):
         self.assertAlmostEqual(accuracy, float(np.mean(pred == y)), places=5)
         self.assertEqual(int(optimizer.iterations.numpy()), 4)
 
+    def test_validation_data_it_would_refuse_is_refused_before_training(self):
+        # Refused at the first validation, after an epoch had trained, the
+        # refusal now comes before any step, naming validation_steps.
+        model = _compiled()
+        x, y, train = _full_batches()
+        finite = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+        before = model.get_weights()
+        for validation, message in (
+            (
+                finite,
+                r"`validation_data` must repeat: .* Add `.repeat\(\)` and "
+                r"pass `validation_steps` to `fit` .* Received: a dataset of "
+                r"4 elements.",
+            ),
+            (
+                (x, y),
+                r"`validation_data` that is not a tf.data.Dataset .* needs "
+                r"`validation_steps` .* Received: tuple and "
+                r"validation_steps=None.",
+            ),
+        ):
+            with self.assertRaisesRegex(ValueError, message):
+                model.fit(
+                    train,
+                    epochs=2,
+                    steps_per_epoch=4,
+                    validation_data=validation,
+                    verbose=0,
+                )
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 0)
+        self.assertEqual(testutil.max_abs_diff(model.get_weights(), before), 0)
+        # With their steps (and the dataset repeating) both validate.
+        for validation in ((x, y), finite.repeat()):
+            history = model.fit(
+                train,
+                epochs=1,
+                steps_per_epoch=4,
+                validation_data=validation,
+                validation_steps=2,
+                verbose=0,
+            )
+            self.assertLen(history.history["val_loss"], 1)
+        # evaluate is told its own argument.
+        with self.assertRaisesRegex(
+            ValueError,
+            r"The dataset must repeat: .* pass `steps` \(or compile with "
+            r"`pss_evaluation_shards`",
+        ):
+            model.evaluate(finite, verbose=0)
+
     def test_exact_evaluation_reads_a_finite_dataset_once(self):
         # compile(pss_evaluation_shards=...): tf_keras shards a finite
         # dataset and visits each element once. The "must repeat" guard
@@ -471,6 +521,19 @@ class FitTest(parameterized.TestCase):
         self.assertAlmostEqual(
             float(accuracy),
             float(np.mean(np.argmax(logits.numpy(), axis=1) == y[:29])),
+            places=5,
+        )
+        # So does fit's validation, after its epoch.
+        history = model.fit(
+            train,
+            epochs=1,
+            steps_per_epoch=4,
+            validation_data=finite,
+            verbose=0,
+        )
+        self.assertAlmostEqual(
+            history.history["val_loss"][0],
+            float(model.evaluate(finite, verbose=0)[0]),
             places=5,
         )
         # Training still refuses a finite dataset.

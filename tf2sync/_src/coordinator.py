@@ -88,6 +88,7 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             tf_internals.new_iterator_each_epoch(handler)
         if model is not None:
             _check_not_jit_compiled(model)
+            _check_validation_input(model)
             unrolled_fit.steps_per_execution_on_coordinator(model, handler)
             # fit makes its train function next: repeat its steps.
             unrolled_fit.repeat_by_default(model)
@@ -270,6 +271,34 @@ class OnePassPerEpoch(tf.keras.utils.experimental.DatasetCreator):
     """
 
 
+# The argument that bounds the steps of each input `keras_input_role` names.
+_STEPS_ARGUMENT = {
+    "fit": "pass `steps_per_epoch`",
+    "validation": "pass `validation_steps` to `fit`",
+    "evaluate": "pass `steps`",
+    "predict": "pass `steps`",
+}
+
+
+def finite_dataset_message(role, cardinality) -> str:
+    """The refusal of a finite dataset: for `role` (`keras_input_role`),
+    what to add; `cardinality`: its elements."""
+    which = "`validation_data`" if role == "validation" else "The dataset"
+    fix = "Add `.repeat()` and " + _STEPS_ARGUMENT.get(
+        role, "run a fixed number of steps"
+    )
+    if role in ("validation", "evaluate"):
+        fix += (
+            " (or compile with `pss_evaluation_shards` to read a finite one "
+            "once, exactly)"
+        )
+    return (
+        f"{which} must repeat: under ParameterServerStrategy each worker "
+        "iterates its own copy, and a step fails with an error when any copy "
+        f"runs out. {fix}. Received: a dataset of {cardinality} elements."
+    )
+
+
 def for_exact_evaluation() -> bool:
     """Whether tf_keras's exact evaluation is distributing a dataset.
 
@@ -281,6 +310,32 @@ def for_exact_evaluation() -> bool:
         "_ClusterCoordinatorExactEvalDataHandler"
     )
     return handler is not None
+
+
+def _check_validation_input(model):
+    """Refuses, while `fit` builds its training input, `validation_data`
+    that its first validation would refuse after the first epoch trained:
+    a finite dataset (see `finite_dataset_message`), or data that is not a
+    dataset without `validation_steps` (tf_keras needs them under PSS),
+    unless tf_keras's exact evaluation reads it."""
+    arguments = tf_internals.fit_validation_arguments(model)
+    if arguments is None or tf_internals.exact_evaluation_shards(model):
+        return
+    data, steps = arguments
+    if data is None:
+        return
+    if isinstance(data, tf.data.Dataset):
+        cardinality = int(data.cardinality())
+        if cardinality >= 0:
+            raise ValueError(finite_dataset_message("validation", cardinality))
+    elif steps is None:
+        raise ValueError(
+            "`validation_data` that is not a tf.data.Dataset (arrays, a "
+            "split, a DatasetCreator) needs `validation_steps` under "
+            "ParameterServerStrategy (or compile with `pss_evaluation_shards` "
+            f"to read it once, exactly). Received: {type(data).__name__} and "
+            "validation_steps=None."
+        )
 
 
 def _check_not_jit_compiled(model):

@@ -52,11 +52,9 @@ class _SyncExtended(tf_internals.ParameterServerExtended):
         cardinality = int(dataset.cardinality())
         if cardinality >= 0 and not coordinator_lib.for_exact_evaluation():
             raise ValueError(
-                "The dataset must repeat: under ParameterServerStrategy each "
-                "worker iterates its own copy, and training stops with an "
-                "error when any copy runs out. Add `.repeat()` and pass "
-                f"`steps_per_epoch`. Received: a dataset of {cardinality} "
-                "elements."
+                coordinator_lib.finite_dataset_message(
+                    tf_internals.keras_input_role(), cardinality
+                )
             )
         return super()._experimental_distribute_dataset(dataset, options)
 

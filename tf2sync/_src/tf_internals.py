@@ -714,20 +714,63 @@ def caller_self_of_type(type_name):
     return None
 
 
+def _keras_call(model):
+    """The nearest frame of `model`'s `fit`, `evaluate` or `predict` (any
+    tf_keras model's where `model` is None), or None (`sys._getframe`;
+    tf_keras's method names [2.21] [2.15])."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in ("fit", "evaluate", "predict"):
+            owner = frame.f_locals.get("self")
+            if owner is model or (
+                model is None and isinstance(owner, tf_keras.Model)
+            ):
+                return frame
+        frame = frame.f_back
+    return None
+
+
 def keras_entry_point(model):
     """Which of `model`'s `fit`, `evaluate` or `predict` is running now
     (the nearest on the stack: `evaluate` inside `fit` for its validation
-    data), or None (`sys._getframe`; tf_keras's method names [2.21]
-    [2.15])."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_name
-        if name in ("fit", "evaluate", "predict") and (
-            frame.f_locals.get("self") is model
-        ):
-            return name
-        frame = frame.f_back
-    return None
+    data), or None."""
+    frame = _keras_call(model)
+    return None if frame is None else frame.f_code.co_name
+
+
+def keras_input_role(model=None):
+    """What the input being built now is for: "fit" (its training data),
+    "validation" (`fit`'s `validation_data`), "evaluate", "predict", or
+    None outside them. `fit` builds its training data handler first, into
+    its local `data_handler`, and its validation one after [2.21] [2.15]."""
+    frame = _keras_call(model)
+    return None if frame is None else _input_role_of(frame)
+
+
+def fit_validation_arguments(model):
+    """`(validation_data, validation_steps)` of `model`'s `fit` while it
+    builds its training input (`validation_data` after `validation_split`
+    made it), or None: outside `fit`, or once that input is built
+    (`keras_input_role`; tf_keras's argument names [2.21] [2.15])."""
+    frame = _keras_call(model)
+    if frame is None or _input_role_of(frame) != "fit":
+        return None
+    local = frame.f_locals
+    return local.get("validation_data"), local.get("validation_steps")
+
+
+def _input_role_of(frame):
+    """`keras_input_role` of a frame `_keras_call` found."""
+    name = frame.f_code.co_name
+    if name == "fit" and "data_handler" in frame.f_locals:
+        return "validation"
+    return name
+
+
+def exact_evaluation_shards(model) -> int:
+    """`compile(pss_evaluation_shards=...)` as tf_keras inferred it
+    (`_pss_evaluation_shards`; 0 without exact evaluation) [2.21] [2.15]."""
+    return int(getattr(model, "_pss_evaluation_shards", 0) or 0)
 
 
 def after_each_epoch_join(handler, fn) -> None:
