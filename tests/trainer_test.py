@@ -184,6 +184,37 @@ class TrainerTest(parameterized.TestCase):
         history = trainer.train(_dataset_fn, epochs=1, steps_per_epoch=4)
         self.assertEqual(history.history["sync_steps"], [2])
 
+    def test_a_keras_loss_object_trains_on_the_replicas_mean(self):
+        # tf_keras refuses a Loss of its default reduction under a strategy
+        # (outside compile) and advises SUM or NONE, whose gradient is the
+        # sum's. The Trainer takes it as the replica's mean, as fit does:
+        # the same weights as with that mean written by hand.
+        weights = []
+        for loss_fn in (
+            testutil.mean_loss,
+            tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        ):
+            parts = _parts()
+            trainer = _trainer(parts, 2)
+            trainer.loss_fn = loss_fn
+            trainer.train(_dataset_fn, epochs=1, steps_per_epoch=4)
+            self.assertEqual(int(parts[2].iterations.numpy()), 2)
+            weights.append(parts[1].get_weights())
+        self.assertLess(testutil.max_abs_diff(*weights), 1e-6)
+
+    def test_a_loss_that_is_not_a_scalar_is_refused_before_any_step(self):
+        parts = _parts()
+        trainer = _trainer(parts, 2)
+        trainer.loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="none"
+        )
+        with self.assertRaisesRegex(
+            ValueError,
+            r"`loss_fn` must return a scalar, .* it returned shape \[32\]",
+        ):
+            trainer.train(_dataset_fn, epochs=1, steps_per_epoch=4)
+        self.assertEqual(int(parts[2].iterations.numpy()), 0)
+
     def test_an_overridden_train_step_is_converted_and_the_loop_is_not(self):
         # The loop around the step is tf2sync's own code: AutoGraph does not
         # rewrite it (it did, as the top-level function of a tf.function:

@@ -18,6 +18,7 @@ When a TF or tf_keras upgrade breaks tf2sync, the break is in this file.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import sys
 import threading
@@ -765,6 +766,26 @@ def _input_role_of(frame):
     if name == "fit" and "data_handler" in frame.f_locals:
         return "validation"
     return name
+
+
+def replica_mean_loss(loss_fn):
+    """`loss_fn` allowed to reduce to the mean over a replica's batch
+    under a strategy, where it is a tf_keras `Loss` of `AUTO` or
+    `SUM_OVER_BATCH_SIZE` reduction (tf_keras refuses those under a
+    strategy but in `compile`, which allows its own losses through
+    `_allow_sum_over_batch_size` [2.21] [2.15]): a copy, the user's object
+    left as it is. Any other `loss_fn` is returned as it is."""
+    reduction = tf_keras.losses.Reduction
+    if not isinstance(
+        loss_fn, tf_keras.losses.Loss
+    ) or loss_fn.reduction not in (
+        reduction.AUTO,
+        reduction.SUM_OVER_BATCH_SIZE,
+    ):
+        return loss_fn
+    allowed = copy.copy(loss_fn)
+    allowed._allow_sum_over_batch_size = True
+    return allowed
 
 
 def exact_evaluation_shards(model) -> int:

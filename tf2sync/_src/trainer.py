@@ -79,8 +79,12 @@ class Trainer:
           optimizer: The `tf2sync.SyncOptimizer` for `model`, or a
             `tf2sync.compat.v1.SyncReplicasOptimizer` (then the trainer
             creates, checkpoints and passes `self.global_step`).
-          loss_fn: `loss_fn(y_true, y_pred) -> scalar`, for the default
-            `train_step`.
+          loss_fn: `loss_fn(y_true, y_pred) -> scalar`, the mean over the
+            replica's batch, for the default `train_step`: a function, or
+            a tf.keras loss with its default reduction (which tf_keras
+            refuses under a strategy outside `compile`; here it means the
+            replica's mean, as in `fit`). A loss of another shape is
+            refused when the step is traced.
           steps_per_loop: Synchronous steps per scheduled function.
           use_tf_while_loop: How a scheduled function runs its
             `steps_per_loop` steps. A `tf.while_loop` whose body runs on
@@ -175,9 +179,10 @@ class Trainer:
     def train_step(self, batch):
         """One replica step: returns the loss. Runs inside `strategy.run`."""
         x, y = batch
-        loss_fn = _converted(self.loss_fn)
+        loss_fn = _converted(tf_internals.replica_mean_loss(self.loss_fn))
         with tf.GradientTape() as tape:
             loss = loss_fn(y, self.model(x, training=True))
+        _check_scalar_loss(loss, self.loss_fn)
         variables = self.model.trainable_variables
         grads = tape.gradient(loss, variables)
         if self._shim:
@@ -577,6 +582,22 @@ def _resolved_verbose(verbose):
     if verbose == "auto":
         return 1 if sys.stdout.isatty() else 2
     return verbose
+
+
+def _check_scalar_loss(loss, loss_fn):
+    """Refuses, while tracing, a loss that is not a scalar: its gradient
+    would be that of the sum over the batch (a `Loss` of `SUM` or `NONE`
+    reduction, as tf_keras's error under a strategy advises), a step
+    `batch size` times larger than the mean's, which `fit` takes."""
+    rank = tf.TensorShape(getattr(loss, "shape", None)).rank
+    if rank is not None and rank > 0:
+        raise ValueError(
+            "`loss_fn` must return a scalar, the mean over the replica's "
+            f"batch (the SyncOptimizer averages the replicas'); it returned "
+            f"shape {loss.shape.as_list()}. Use a tf.keras loss with its "
+            "default reduction, or tf.reduce_mean. Received: "
+            f"loss_fn={loss_fn!r}"
+        )
 
 
 def _converted(fn):
