@@ -202,6 +202,19 @@ class TrainerTest(parameterized.TestCase):
             weights.append(parts[1].get_weights())
         self.assertLess(testutil.max_abs_diff(*weights), 1e-6)
 
+    def test_a_dataset_for_dataset_fn_is_refused_in_one_line(self):
+        parts = _parts()
+        trainer = _trainer(parts, 2)
+        dataset = _dataset_fn(None)
+        with self.assertRaisesRegex(
+            TypeError,
+            r"^`dataset_fn` must be a function .* \(a tf.data.Dataset: .*"
+            r"`lambda input_context: dataset` .*\)\. Received: "
+            r"dataset_fn=_RepeatDataset$",
+        ):
+            trainer.train(dataset, epochs=1, steps_per_epoch=4)
+        self.assertEqual(int(parts[2].iterations.numpy()), 0)
+
     def test_a_loss_that_is_not_a_scalar_is_refused_before_any_step(self):
         parts = _parts()
         trainer = _trainer(parts, 2)

@@ -320,12 +320,15 @@ class Trainer:
           The `tf.keras.callbacks.History` of the epochs run.
 
         Raises:
+          TypeError: If `dataset_fn` is not callable (a dataset itself).
           ValueError: If `steps_per_epoch` is not a multiple of
             `steps_per_loop`, or is given with a `ServicePassPerEpoch`
             (or missing without one); or a `ServicePassPerEpoch` is given
             with the TF1 shim.
         """
         service = isinstance(dataset_fn, data_service.ServicePassPerEpoch)
+        if not service:
+            _check_dataset_fn(dataset_fn)
         self._check_steps_per_epoch(steps_per_epoch, service)
         self._restore_latest_checkpoint()
         if self._saver:  # traced while every task answers
@@ -582,6 +585,25 @@ def _resolved_verbose(verbose):
     if verbose == "auto":
         return 1 if sys.stdout.isatty() else 2
     return verbose
+
+
+def _check_dataset_fn(dataset_fn):
+    """Refuses a `dataset_fn` that is not callable (a dataset, arrays)."""
+    if callable(dataset_fn):
+        return
+    hint = ""
+    if isinstance(dataset_fn, tf.data.Dataset):
+        hint = (
+            " (a tf.data.Dataset: build it inside the function, or pass "
+            "`lambda input_context: dataset` for each worker to read its "
+            "own copy)"
+        )
+    raise TypeError(
+        "`dataset_fn` must be a function `dataset_fn(input_context) -> "
+        "tf.data.Dataset`, called on each worker, or a "
+        f"tf2sync.ServicePassPerEpoch{hint}. Received: "
+        f"dataset_fn={type(dataset_fn).__name__}"
+    )
 
 
 def _check_scalar_loss(loss, loss_fn):
