@@ -472,6 +472,11 @@ class FitTest(parameterized.TestCase):
                 r"`validation_steps` .* Received: tuple and "
                 r"validation_steps=None.",
             ),
+            (
+                tf2sync.ServicePassPerEpoch(finite, "grpc://127.0.0.1:1"),
+                r"A tf2sync.ServicePassPerEpoch is read only as fit's "
+                r"training data .* Received: validation_data=",
+            ),
         ):
             with self.assertRaisesRegex(ValueError, message):
                 model.fit(

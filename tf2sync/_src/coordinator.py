@@ -317,13 +317,20 @@ def _check_validation_input(model):
     that its first validation would refuse after the first epoch trained:
     a finite dataset (see `finite_dataset_message`), or data that is not a
     dataset without `validation_steps` (tf_keras needs them under PSS),
-    unless tf_keras's exact evaluation reads it."""
+    unless tf_keras's exact evaluation reads it; and a
+    `ServicePassPerEpoch`, whose pass only fit's training steps end."""
     arguments = tf_internals.fit_validation_arguments(model)
     if arguments is None or tf_internals.exact_evaluation_shards(model):
         return
     data, steps = arguments
     if data is None:
         return
+    if isinstance(data, data_service.ServicePassPerEpoch):
+        raise ValueError(
+            "A tf2sync.ServicePassPerEpoch is read only as fit's training "
+            "data and by tf2sync.Trainer: give validation_data a dataset of "
+            "its own. Received: validation_data=ServicePassPerEpoch"
+        )
     if isinstance(data, tf.data.Dataset):
         cardinality = int(data.cardinality())
         if cardinality >= 0:
