@@ -237,6 +237,11 @@ class BadInputTest(parameterized.TestCase):
                 "each task must be a host:port string. Received: ['h:2']",
             ),
             ({"ps": ["h:1"], "worker": [None]}, "Received: None"),
+            (
+                {"ps": ["h:1"], "worker": "h:2"},
+                'TF_CONFIG cluster worker="h:2": a role\'s tasks must be a '
+                "list of host:port strings",
+            ),
         ):
             with self.subTest(cluster=cluster):
                 with self.assertRaises(app.UsageError) as refused:

@@ -185,11 +185,11 @@ def parse_tf_config(text: str) -> dict:
 def check_distinct_addresses(cluster: dict, named) -> None:
     """Refuses a cluster that names one host:port for two tasks (the second
     task's server cannot listen there, and the chief would wait for it for
-    --connect_timeout), or a task that is not a string.
+    --connect_timeout), a task that is not a string, or a role whose tasks
+    are not a list.
 
     Args:
-      cluster: Role to its hosts: a list, or TF's `{index: host}`; other
-        values are left to the checks that read them.
+      cluster: Role to its hosts: a list, or TF's `{index: host}`.
       named: `named(role, hosts)` names, in the refusal, the argument that
         holds `role`'s `hosts` (a flag and its value, or TF_CONFIG's).
     """
@@ -200,7 +200,10 @@ def check_distinct_addresses(cluster: dict, named) -> None:
         elif isinstance(hosts, list):
             tasks = list(enumerate(hosts))
         else:
-            continue
+            _refuse(
+                f"{named(role, hosts)}: a role's tasks must be a list of "
+                'host:port strings, e.g. ["10.0.0.1:2222"].'
+            )
         for index, host in tasks:
             if not isinstance(host, str):
                 _refuse(
