@@ -467,15 +467,25 @@ class FitTest(parameterized.TestCase):
                 r"4 elements.",
             ),
             (
+                finite.repeat(),
+                r"`validation_data` repeats forever: pass `validation_steps` "
+                r"to `fit`, .* Received: validation_steps=None",
+            ),
+            (
                 (x, y),
-                r"`validation_data` that is not a tf.data.Dataset .* needs "
-                r"`validation_steps` .* Received: tuple and "
-                r"validation_steps=None.",
+                r"`validation_data` of arrays needs `validation_steps` .* "
+                r"Received: validation_data=tuple, validation_steps=None",
+            ),
+            (
+                (x.tolist(), y),  # tf_keras's coordinator reads no lists
+                r"`validation_data` under ParameterServerStrategy must be "
+                r".* Received: validation_data=tuple \(x: list, y: ndarray\)",
             ),
             (
                 tf2sync.ServicePassPerEpoch(finite, "grpc://127.0.0.1:1"),
                 r"A tf2sync.ServicePassPerEpoch is read only as fit's "
-                r"training data .* Received: validation_data=",
+                r"training data .* Received: "
+                r"validation_data=ServicePassPerEpoch",
             ),
         ):
             with self.assertRaisesRegex(ValueError, message):
@@ -488,17 +498,28 @@ class FitTest(parameterized.TestCase):
                 )
         self.assertEqual(int(model.optimizer.iterations.numpy()), 0)
         self.assertEqual(testutil.max_abs_diff(model.get_weights(), before), 0)
-        # With their steps (and the dataset repeating) both validate.
-        for validation in ((x, y), finite.repeat()):
+        # With their steps (and the dataset repeating) both validate. The
+        # arrays make one batch of 32: each worker's copy holds 1 step.
+        for validation, steps in (((x, y), 1), (finite.repeat(), 2)):
             history = model.fit(
                 train,
                 epochs=1,
                 steps_per_epoch=4,
                 validation_data=validation,
-                validation_steps=2,
+                validation_steps=steps,
                 verbose=0,
             )
             self.assertLen(history.history["val_loss"], 1)
+        # A fit whose epochs do not validate (validation_freq) is let be.
+        history = model.fit(
+            train,
+            epochs=2,
+            steps_per_epoch=4,
+            validation_data=finite,
+            validation_freq=3,
+            verbose=0,
+        )
+        self.assertNotIn("val_loss", history.history)
         # evaluate is told its own argument.
         with self.assertRaisesRegex(
             ValueError,

@@ -314,34 +314,70 @@ def for_exact_evaluation() -> bool:
 
 def _check_validation_input(model):
     """Refuses, while `fit` builds its training input, `validation_data`
-    that its first validation would refuse after the first epoch trained:
-    a finite dataset (see `finite_dataset_message`), or data that is not a
-    dataset without `validation_steps` (tf_keras needs them under PSS),
-    unless tf_keras's exact evaluation reads it; and a
-    `ServicePassPerEpoch`, whose pass only fit's training steps end."""
-    arguments = tf_internals.fit_validation_arguments(model)
-    if arguments is None or tf_internals.exact_evaluation_shards(model):
+    that its first validation would refuse once the first epoch trained:
+
+    - a `ServicePassPerEpoch` (only fit's training steps end its pass);
+    - a tf.data.Dataset that is finite (see `finite_dataset_message`),
+      unless tf_keras's exact evaluation reads it, or infinite without
+      `validation_steps`;
+    - other data without `validation_steps` (tf_keras needs them under
+      PSS; exact evaluation aside for a `DatasetCreator`), or of types
+      tf_keras's coordinator cannot read (not tensors, arrays or pandas).
+
+    Nothing is refused for a `fit` whose epochs do not validate
+    (`validation_freq`)."""
+    validation = tf_internals.fit_validation(model)
+    if validation is None or not validation.validates:
         return
-    data, steps = arguments
-    if data is None:
-        return
+    data, steps = validation.data, validation.steps
+    exact = tf_internals.exact_evaluation_shards(model) > 0
+    received = f"Received: validation_data={type(data).__name__}"
     if isinstance(data, data_service.ServicePassPerEpoch):
         raise ValueError(
             "A tf2sync.ServicePassPerEpoch is read only as fit's training "
             "data and by tf2sync.Trainer: give validation_data a dataset of "
-            "its own. Received: validation_data=ServicePassPerEpoch"
+            f"its own. {received}"
         )
     if isinstance(data, tf.data.Dataset):
         cardinality = int(data.cardinality())
-        if cardinality >= 0:
+        if cardinality == tf.data.INFINITE_CARDINALITY and steps is None:
+            raise ValueError(
+                "`validation_data` repeats forever: pass `validation_steps` "
+                "to `fit`, the steps of each validation. Received: "
+                "validation_steps=None"
+            )
+        if cardinality >= 0 and not exact:
             raise ValueError(finite_dataset_message("validation", cardinality))
-    elif steps is None:
+        return
+    if isinstance(
+        data,
+        (
+            tf.keras.utils.experimental.DatasetCreator,
+            tf.distribute.DistributedDataset,
+        ),
+    ):
+        if steps is None and not exact:
+            raise ValueError(
+                "`validation_data` needs `validation_steps` under "
+                "ParameterServerStrategy (or compile with "
+                f"`pss_evaluation_shards`). {received}, validation_steps=None"
+            )
+        return
+    if not tf_internals.keras_converts_for_coordinator(
+        validation.x, validation.y
+    ):
         raise ValueError(
-            "`validation_data` that is not a tf.data.Dataset (arrays, a "
-            "split, a DatasetCreator) needs `validation_steps` under "
-            "ParameterServerStrategy (or compile with `pss_evaluation_shards` "
-            f"to read it once, exactly). Received: {type(data).__name__} and "
-            "validation_steps=None."
+            "`validation_data` under ParameterServerStrategy must be a "
+            "tf.data.Dataset, a DatasetCreator, or (x, y) of tensors, NumPy "
+            f"arrays or pandas objects. {received} (x: "
+            f"{type(validation.x).__name__}, y: {type(validation.y).__name__})"
+        )
+    if steps is None:
+        raise ValueError(
+            "`validation_data` of arrays needs `validation_steps` under "
+            "ParameterServerStrategy, at most the batches it makes: each "
+            f"worker reads its own copy, once. {received}, "
+            "validation_steps=None"
         )
 
 

@@ -22,6 +22,7 @@ import copy
 import functools
 import sys
 import threading
+import typing
 
 import numpy as np
 import tensorflow as tf
@@ -47,6 +48,7 @@ from tensorflow.python.framework import importer as graph_importer
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.trackable import base as trackable
 from tf_keras.src.engine import base_layer as keras_base_layer
+from tf_keras.src.engine import data_adapter as keras_data_adapter
 from tf_keras.src.engine import training as keras_training
 from tf_keras.src.mixed_precision import autocast_variable
 from tf_keras.src.mixed_precision import loss_scale_optimizer as lso
@@ -748,16 +750,57 @@ def keras_input_role(model=None):
     return None if frame is None else _input_role_of(frame)
 
 
-def fit_validation_arguments(model):
-    """`(validation_data, validation_steps)` of `model`'s `fit` while it
-    builds its training input (`validation_data` after `validation_split`
-    made it), or None: outside `fit`, or once that input is built
-    (`keras_input_role`; tf_keras's argument names [2.21] [2.15])."""
+class FitValidation(typing.NamedTuple):
+    """What a running `fit` will validate on (`fit_validation`)."""
+
+    data: object  # `validation_data`, after `validation_split` made it
+    x: object  # its inputs, unpacked as tf_keras unpacks them
+    y: object  # its targets
+    steps: object  # `validation_steps`
+    validates: bool  # whether any epoch of this `fit` validates
+
+
+def fit_validation(model):
+    """A `FitValidation` of `model`'s `fit` while it builds its training
+    input, or None: outside `fit`, or once that input is built
+    (`keras_input_role`). tf_keras's argument and local names (`val_x`,
+    `val_y`), its truth test of `validation_data` and `_should_eval`
+    [2.21] [2.15]."""
     frame = _keras_call(model)
     if frame is None or _input_role_of(frame) != "fit":
         return None
     local = frame.f_locals
-    return local.get("validation_data"), local.get("validation_steps")
+    data = local.get("validation_data")
+    try:
+        validates = bool(data)
+    except ValueError:  # an array: tf_keras's own test refuses it
+        validates = True
+    if validates:
+        freq = local.get("validation_freq", 1)
+        try:
+            validates = any(
+                model._should_eval(epoch, freq)
+                for epoch in range(
+                    local.get("initial_epoch", 0), local.get("epochs", 1)
+                )
+            )
+        except ValueError:  # a bad validation_freq: tf_keras says so
+            validates = True
+    return FitValidation(
+        data,
+        local.get("val_x"),
+        local.get("val_y"),
+        local.get("validation_steps"),
+        validates,
+    )
+
+
+def keras_converts_for_coordinator(x, y) -> bool:
+    """Whether tf_keras's coordinator data handler turns `x` and `y` into a
+    dataset: both tensors, NumPy arrays or pandas objects (otherwise it
+    raises NotImplementedError) [2.21] [2.15]."""
+    types = keras_data_adapter._get_tensor_types()
+    return isinstance(x, types) and isinstance(y, types)
 
 
 def _input_role_of(frame):
@@ -776,12 +819,9 @@ def replica_mean_loss(loss_fn):
     `_allow_sum_over_batch_size` [2.21] [2.15]): a copy, the user's object
     left as it is. Any other `loss_fn` is returned as it is."""
     reduction = tf_keras.losses.Reduction
-    if not isinstance(
-        loss_fn, tf_keras.losses.Loss
-    ) or loss_fn.reduction not in (
-        reduction.AUTO,
-        reduction.SUM_OVER_BATCH_SIZE,
-    ):
+    if not isinstance(loss_fn, tf_keras.losses.Loss) or getattr(
+        loss_fn, "reduction", None
+    ) not in (reduction.AUTO, reduction.SUM_OVER_BATCH_SIZE):
         return loss_fn
     allowed = copy.copy(loss_fn)
     allowed._allow_sum_over_batch_size = True

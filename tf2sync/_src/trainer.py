@@ -83,8 +83,12 @@ class Trainer:
             replica's batch, for the default `train_step`: a function, or
             a tf.keras loss with its default reduction (which tf_keras
             refuses under a strategy outside `compile`; here it means the
-            replica's mean, as in `fit`). A loss of another shape is
-            refused when the step is traced.
+            replica's mean, as the loss `fit` compiles). A loss of another
+            shape is refused when the step is traced. With several GPUs
+            on a worker, each replica's mean counts 1/n of the worker's
+            gradient, as in `fit`. The model's own losses
+            (`model.losses`, regularizers) are not added: override
+            `train_step` to add them.
           steps_per_loop: Synchronous steps per scheduled function.
           use_tf_while_loop: How a scheduled function runs its
             `steps_per_loop` steps. A `tf.while_loop` whose body runs on
@@ -180,11 +184,16 @@ class Trainer:
         """One replica step: returns the loss. Runs inside `strategy.run`."""
         x, y = batch
         loss_fn = _converted(tf_internals.replica_mean_loss(self.loss_fn))
+        replicas = 1 if self._shim else _local_replicas()
         with tf.GradientTape() as tape:
             loss = loss_fn(y, self.model(x, training=True))
-        _check_scalar_loss(loss, self.loss_fn)
+            _check_scalar_loss(loss, self.loss_fn)
+            # The SyncOptimizer sums a worker's local replicas (GPUs): each
+            # replica's mean counts 1/n of the worker's, as in fit's
+            # compiled loss.
+            scaled = loss if replicas == 1 else loss / replicas
         variables = self.model.trainable_variables
-        grads = tape.gradient(loss, variables)
+        grads = tape.gradient(scaled, variables)
         if self._shim:
             self.optimizer.apply_gradients(
                 zip(grads, variables), self.global_step
@@ -587,6 +596,12 @@ def _resolved_verbose(verbose):
     return verbose
 
 
+def _local_replicas() -> int:
+    """Replicas of this worker's step (its GPUs; 1 on CPU), from the
+    replica context `strategy.run` enters."""
+    return tf.distribute.get_replica_context().num_replicas_in_sync
+
+
 def _check_dataset_fn(dataset_fn):
     """Refuses a `dataset_fn` that is not callable (a dataset, arrays)."""
     if callable(dataset_fn):
@@ -607,10 +622,10 @@ def _check_dataset_fn(dataset_fn):
 
 
 def _check_scalar_loss(loss, loss_fn):
-    """Refuses, while tracing, a loss that is not a scalar: its gradient
-    would be that of the sum over the batch (a `Loss` of `SUM` or `NONE`
-    reduction, as tf_keras's error under a strategy advises), a step
-    `batch size` times larger than the mean's, which `fit` takes."""
+    """Refuses, while tracing, a loss that is not a scalar (a `Loss` of
+    `NONE` reduction, as tf_keras's error under a strategy advises): its
+    gradient would be the batch's sum, `batch size` times the mean's,
+    which `fit` takes."""
     rank = tf.TensorShape(getattr(loss, "shape", None)).rank
     if rank is not None and rank > 0:
         raise ValueError(
