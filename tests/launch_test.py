@@ -14,6 +14,14 @@ import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 
+# Imported at collection, before any test starts a cluster's threads:
+# importing it pulls in scipy.stats, whose `_page_trend_test.py` matches
+# pytest's `*_test.py` and is parsed (`ast.parse`) by its assertion
+# rewriting, and on Python 3.11 a parse while another thread builds an AST
+# can fail with "SystemError: AST constructor recursion depth mismatch"
+# (CPython gh-106905; it did once in CI).
+from sklearn.datasets import load_digits
+
 import tf2sync
 
 # Every test here starts real processes.
@@ -575,7 +583,6 @@ class DigitsJobTest(absltest.TestCase):
 
     def test_the_arrays_are_load_digits_shuffled(self):
         import numpy as np
-        from sklearn.datasets import load_digits
 
         from tf2sync._src.jobs import digits
 
