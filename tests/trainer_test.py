@@ -239,6 +239,45 @@ class TrainerTest(parameterized.TestCase):
             weights.append(model.get_weights())
         self.assertLess(testutil.max_abs_diff(*weights), 1e-6)
 
+    def test_the_models_own_losses_are_added_as_fit_adds_them(self):
+        # A kernel regularizer (model.losses) trains as the same penalty
+        # written into loss_fn by hand; it was left out before.
+        def model_fn(regularizer):
+            tf.keras.utils.set_random_seed(0)
+            return tf.keras.Sequential(
+                [
+                    tf.keras.layers.Dense(
+                        8,
+                        activation="relu",
+                        input_shape=(4,),
+                        kernel_regularizer=regularizer,
+                    ),
+                    tf.keras.layers.Dense(3),
+                ]
+            )
+
+        weights = []
+        for regularized in (True, False):
+            strategy = testutil.strategy(2, 1, replicas_to_aggregate=2)
+            with strategy.scope():
+                model = model_fn(
+                    tf.keras.regularizers.L2(0.5) if regularized else None
+                )
+                optimizer = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+            kernel = model.layers[0].kernel
+
+            def by_hand(y, logits, kernel=kernel):
+                return testutil.mean_loss(y, logits) + 0.5 * tf.reduce_sum(
+                    tf.square(kernel)
+                )
+
+            trainer = _trainer((strategy, model, optimizer), 2)
+            trainer.loss_fn = testutil.mean_loss if regularized else by_hand
+            trainer.train(_dataset_fn, epochs=1, steps_per_epoch=4)
+            self.assertEqual(int(optimizer.iterations.numpy()), 2)
+            weights.append(model.get_weights())
+        self.assertLess(testutil.max_abs_diff(*weights), 1e-6)
+
     def test_a_loss_that_is_not_a_scalar_is_refused_before_any_step(self):
         parts = _parts()
         trainer = _trainer(parts, 2)

@@ -87,8 +87,8 @@ class Trainer:
             shape is refused when the step is traced. With several GPUs
             on a worker, each replica's mean counts 1/n of the worker's
             gradient, as in `fit`. The model's own losses
-            (`model.losses`, regularizers) are not added: override
-            `train_step` to add them.
+            (`model.losses`: regularizers, `add_loss`) are added to it,
+            as `fit` adds them.
           steps_per_loop: Synchronous steps per scheduled function.
           use_tf_while_loop: How a scheduled function runs its
             `steps_per_loop` steps. A `tf.while_loop` whose body runs on
@@ -181,13 +181,16 @@ class Trainer:
         """Called before each epoch's steps are scheduled."""
 
     def train_step(self, batch):
-        """One replica step: returns the loss. Runs inside `strategy.run`."""
+        """One replica step: returns the loss (with `model.losses`, as
+        `fit` logs it). Runs inside `strategy.run`."""
         x, y = batch
         loss_fn = _converted(tf_internals.replica_mean_loss(self.loss_fn))
         replicas = 1 if self._shim else _local_replicas()
         with tf.GradientTape() as tape:
             loss = loss_fn(y, self.model(x, training=True))
             _check_scalar_loss(loss, self.loss_fn)
+            if self.model.losses:  # regularizers, add_loss: as fit adds
+                loss += tf.add_n(self.model.losses)
             # The SyncOptimizer sums a worker's local replicas (GPUs): each
             # replica's mean counts 1/n of the worker's, as in fit's
             # compiled loss.
