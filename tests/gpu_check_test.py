@@ -87,12 +87,16 @@ class GpuCheckTest(absltest.TestCase):
             f.write('#!/bin/sh\necho "GPU 0: NVIDIA H200 (UUID: GPU-0)"\n')
         os.chmod(stub, 0o755)
         path = bin_dir + os.pathsep + procutil.ENV.get("PATH", "")
-        done = _check(
-            self._tempdir(),
-            sys.executable,
-            PATH=path,
-            CUDA_VISIBLE_DEVICES=None,
-        )
+
+        def check(hidden):  # CUDA_VISIBLE_DEVICES; None: unset
+            return _check(
+                self._tempdir(),
+                sys.executable,
+                PATH=path,
+                CUDA_VISIBLE_DEVICES=hidden,
+            )
+
+        done = check(None)
         self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
         self.assertIn(
             "nvidia-smi lists 1 GPU(s) but TensorFlow sees none", done.stderr
@@ -105,12 +109,7 @@ class GpuCheckTest(absltest.TestCase):
         # GPUs hidden on purpose (CUDA_VISIBLE_DEVICES, which nvidia-smi
         # ignores) are skipped as before.
         for hidden in ("", "-1"):
-            done = _check(
-                self._tempdir(),
-                sys.executable,
-                PATH=path,
-                CUDA_VISIBLE_DEVICES=hidden,
-            )
+            done = check(hidden)
             self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
             self.assertIn("skipped the GPU parts", done.stdout)
 

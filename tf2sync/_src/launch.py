@@ -827,16 +827,12 @@ def _report_error(error):
 
 
 def _main():
+    # `_check_input` has refused bad flags, the role flags' cluster and
+    # --num_ps against it, before this runs.
     job_name = _JOB_NAME.value
     if job_name in ("ps", "worker"):
-        spec = _spec_from_flags()
-        _check_num_ps(len(spec["ps"]))
-        _serve(spec, job_name, _TASK_INDEX.value)
+        _serve(_spec_from_flags(), job_name, _TASK_INDEX.value)
         return 0
-    if job_name == "chief":
-        _check_num_ps(len(_spec_from_flags()["ps"]))
-    elif _cluster_source() == "local":
-        _local_workers_and_ps()  # a usage error before anything imports
     job = _load_job()
     if job_name == "chief":
         import tensorflow as tf
