@@ -688,5 +688,117 @@ class InputTest(absltest.TestCase):
                 )
 
 
+class ReplaceOptimizerTest(absltest.TestCase):
+    """Fine-tuning: train a head, unfreeze, compile again with a new
+    SyncOptimizer, train everything; the new one replaces the old one."""
+
+    def test_fine_tuning_with_a_new_sync_optimizer_matches_the_reference(
+        self,
+    ):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        opt_fn = lambda: tf.keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+        with strategy.scope():
+            model = testutil.dense_model()
+            model.layers[0].trainable = False
+            first = tf2sync.SyncOptimizer(opt_fn())
+            model.compile(first, loss=testutil.LOSS, steps_per_execution=2)
+        x, y, ds = _full_batches()
+        base = model.layers[0].get_weights()
+        model.fit(ds, epochs=1, steps_per_epoch=4, verbose=0)
+        self.assertEqual(
+            testutil.max_abs_diff(model.layers[0].get_weights(), base), 0.0
+        )
+        self.assertEqual(int(first.iterations.numpy()), 2)
+        old_train_function = model.train_function
+
+        # Same object, another variable list: refused with what to do.
+        model.layers[0].trainable = True
+        with strategy.scope():
+            model.compile(first, loss=testutil.LOSS, steps_per_execution=2)
+        testutil.assert_fit_refused(
+            self, model, ValueError, r"compile with a new tf2sync.SyncOpt"
+        )
+        with strategy.scope():
+            second = tf2sync.SyncOptimizer(opt_fn())
+            model.compile(second, loss=testutil.LOSS, steps_per_execution=2)
+        history = model.fit(ds, epochs=2, steps_per_epoch=3, verbose=0)
+        # Its own global step, from 0; the first one's stays where it was.
+        self.assertEqual(int(second.iterations.numpy()), 3)
+        self.assertEqual(history.history["sync_steps"], [1, 3])
+        self.assertEqual(int(first.iterations.numpy()), 2)
+
+        # The reference: 2 full-batch steps of the head, then 3 of both.
+        reference = testutil.dense_model()
+        reference.layers[0].trainable = False
+        for opt, steps in ((opt_fn(), 2), (opt_fn(), 3)):
+            for _ in range(steps):
+                with tf.GradientTape() as tape:
+                    loss = testutil.mean_loss(y, reference(x))
+                weights = reference.trainable_variables
+                grads = tape.gradient(loss, weights)
+                opt.apply_gradients(zip(grads, weights))
+            reference.layers[0].trainable = True
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), reference.get_weights()),
+            1e-5,
+        )
+
+        # The first optimizer's steps fail, traced before or after, and
+        # change nothing.
+        trained = model.get_weights()
+        model.train_function = old_train_function
+        with self.assertRaisesRegex(
+            tf.errors.InvalidArgumentError, r"was replaced by a later one"
+        ):
+            model.fit(ds, epochs=1, steps_per_epoch=4, verbose=0)
+        self.assertEqual(
+            testutil.max_abs_diff(model.get_weights(), trained), 0.0
+        )
+        # Its own variable list again: refused all the same, at the trace.
+        model.layers[0].trainable = False
+        with strategy.scope():
+            model.compile(first, loss=testutil.LOSS)
+        testutil.assert_fit_refused(
+            self, model, ValueError, r"\(SyncSGD\) was replaced by a later"
+        )
+        self.assertEqual(int(first.iterations.numpy()), 2)
+        self.assertEqual(int(second.iterations.numpy()), 3)
+
+    def test_no_replacement_while_the_current_ones_steps_run(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+        with tf.device("/job:ps/replica:0/task:0"):
+            gate = tf.queue.FIFOQueue(1, [tf.int32], shapes=[[]])
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        # Runs until the gate opens: an item to dequeue, no timing.
+        coordinator.schedule(tf.function(gate.dequeue))
+        try:
+            with strategy.scope():
+                with self.assertRaisesRegex(
+                    ValueError,
+                    r"would replace this strategy's while functions "
+                    r"scheduled for the current one are still running",
+                ):
+                    tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+        finally:
+            gate.enqueue(0)
+            coordinator.join()
+        with strategy.scope():
+            tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+
+    def test_the_tf1_shim_and_a_sync_optimizer_do_not_mix(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            tf2sync.compat.v1.SyncReplicasOptimizer(
+                tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                replicas_to_aggregate=2,
+            )
+            with self.assertRaisesRegex(
+                ValueError, r"of the other kind .* do not mix on one strategy"
+            ):
+                tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+
+
 if __name__ == "__main__":
     absltest.main()

@@ -145,6 +145,7 @@ class Aggregator:
         # Hooks run inside the critical section: callables returning ops.
         # `after_apply` runs after each update, before tokens are released
         # (loss scaling, EMA); `on_nonfinite` when a push is non-finite.
+        self.retired = False  # see `retire`
         self.after_apply = []
         self.on_nonfinite = []
         if initial_tokens is None:
@@ -156,6 +157,14 @@ class Aggregator:
     def seed_tokens(self, num_tokens: int) -> None:
         """Enqueues `num_tokens` tokens of the current step now (eagerly)."""
         self.barrier.seed(num_tokens)
+
+    def retire(self) -> None:
+        """A later SyncOptimizer replaced this one (`strategy._attach`):
+        steps traced for it fail at their token from now on. One token per
+        worker suffices: the first failure cancels the others' functions,
+        and the extra ones cover steps already waiting."""
+        self.retired = True
+        self.barrier.retire(self.num_workers + self.config.tokens_per_step)
 
     def _step(self):
         return self.barrier.step()
@@ -321,7 +330,9 @@ class Aggregator:
                 "other dense/sparse gradient types). A synchronous optimizer "
                 "must update the same variables with the same gradient types "
                 "every step. Received variables: "
-                f"{[v.name for _, v in grads_and_vars]}"
+                f"{[v.name for _, v in grads_and_vars]}. To train another "
+                "set (after changing which layers are trainable), compile "
+                "with a new tf2sync.SyncOptimizer: it replaces this one."
             )
 
     # Step side (traced) ---------------------------------------------------

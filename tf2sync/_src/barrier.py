@@ -16,12 +16,21 @@ import tensorflow as tf
 
 from tf2sync._src import wire as wire_lib
 
+# The token `retire` enqueues, and what a step that takes it fails with.
+RETIRED = -1
+RETIRED_MESSAGE = (
+    "tf2sync: this step's SyncOptimizer was replaced by a later one on its "
+    "strategy. Compile the model with the new one (or trace the step again)."
+)
+
 
 class TokenBarrier:
     """The token queue on the global step's ps, and the time spent at it.
 
     Tokens are int64 global steps. The queue is unbounded and never
-    closed, so a restarted chief or a watchdog can always add tokens.
+    closed, so a restarted chief or a watchdog can always add tokens. A
+    negative token (`retire`) fails the step that takes it in the core's
+    order.
     """
 
     def __init__(self, global_step, name):
@@ -52,6 +61,18 @@ class TokenBarrier:
             with tf.init_scope(), tf.device(self.device):
                 self.queue.enqueue_many(tf.fill([num_tokens], self.step()))
 
+    def retire(self, num_tokens: int) -> None:
+        """Replaces the tokens left with `num_tokens` negative ones, now
+        (no step may be running): each step of the core's order that takes
+        one fails (`acquire`, `RETIRED_MESSAGE`)."""
+        with tf.init_scope(), tf.device(self.device):
+            left = int(self.queue.size())
+            if left:
+                self.queue.dequeue_many(left)
+            self.queue.enqueue_many(
+                tf.fill([num_tokens], tf.constant(RETIRED, tf.int64))
+            )
+
     def available(self) -> int:
         """Tokens in the queue now."""
         with tf.init_scope(), tf.device(self.device):
@@ -69,7 +90,9 @@ class TokenBarrier:
             start = tf.timestamp()
             with tf.control_dependencies([start]):
                 token = self.queue.dequeue()
-            with tf.control_dependencies([token]):
+            # Only string data: a plain Assert op, no cond guarding it.
+            valid = tf.debugging.Assert(token >= 0, [RETIRED_MESSAGE])
+            with tf.control_dependencies([token, valid]):
                 tag = tf.identity(self.step())
                 waited = tf.timestamp() - start
             count = self.wait_seconds.assign_add(waited, read_value=False)

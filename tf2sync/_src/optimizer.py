@@ -37,6 +37,13 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
     worker never makes the weights NaN. `nonfinite="raise"` fails the step
     instead, before anything is applied.
 
+    A strategy trains through one `SyncOptimizer` at a time: creating
+    another one (to compile a model again, say after changing which layers
+    are trainable) replaces it, between runs. The replaced optimizer's
+    steps then fail, when traced or at their first token, and never
+    update a weight; the new one starts its own global step, as a new
+    tf_keras optimizer does.
+
     Mixed precision: under a `mixed_float16` policy, or given a
     `tf.keras.mixed_precision.LossScaleOptimizer` (its settings are kept),
     the constructor returns a `LossScaleOptimizer` around the `SyncOptimizer`.
@@ -90,7 +97,8 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         Raises:
           TypeError: If `optimizer` is not a tf_keras optimizer.
           ValueError: If not created under a `SyncParameterServerStrategy`
-            scope, if that strategy already has a `SyncOptimizer`, or if
+            scope, if that strategy has a `tf2sync.compat.v1` optimizer or
+            is running steps of its current `SyncOptimizer`, or if
             `nonfinite` is not "skip" or "raise".
         """
         if getattr(self, "_tf2sync_initialized", False):
@@ -113,6 +121,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
                 "run a synchronous optimizer."
             )
         keras_compat.check_created_in_scope(optimizer, strategy)
+        strategy._check_can_attach()
         super().__init__(name=name or "Sync" + _inner_name(optimizer))
         self._optimizer = optimizer
         tf_internals.track_child(self, optimizer, "inner_optimizer")
@@ -268,7 +277,8 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
 
         Raises:
           RuntimeError: If called outside a step of the strategy.
-          ValueError: If no gradient is given for any variable.
+          ValueError: If no gradient is given for any variable, or a later
+            `SyncOptimizer` replaced this one.
         """
         del name, experimental_aggregate_gradients
         grads_and_vars = list(grads_and_vars)
@@ -289,6 +299,13 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
                 "`strategy.run(...)` of the SyncParameterServerStrategy it "
                 "was created under (model.fit does this; in a custom loop, "
                 "call it from the function passed to strategy.run)."
+            )
+        if self._aggregator.retired:
+            raise ValueError(
+                f"This SyncOptimizer ({self._name}) was replaced by a later "
+                "one created under its strategy (a strategy trains through "
+                "one SyncOptimizer at a time): compile the model with the "
+                "new one, or create each one when its training begins."
             )
         if step.pushed:
             raise RuntimeError(

@@ -100,7 +100,8 @@ class SyncParameterServerStrategy(
     """A `ParameterServerStrategy` whose training steps are synchronous.
 
     Protocol (per step of each replica, with the `SyncOptimizer` created
-    under this strategy's scope):
+    under this strategy's scope; a later one replaces it between runs and
+    the replaced one's steps fail):
 
     1. `run` dequeues one token from the queue beside the global step and
        reads the global step as the step's tag; every op of the step is
@@ -253,8 +254,51 @@ class SyncParameterServerStrategy(
         """The `tf2sync.SyncOptions` this strategy was created with."""
         return self._options
 
+    def _check_can_attach(self) -> None:
+        """Refuses a new SyncOptimizer now, before it builds anything: the
+        TF1 shim's protocol is attached, or steps of the SyncOptimizer it
+        would replace (see `_attach`) are running."""
+        protocol = self._protocol
+        if protocol is None:
+            return
+        if not isinstance(protocol, TokenFirstStep):
+            self._attach_protocol(protocol)  # raises: the kinds do not mix
+        coordinator = tf_internals.strategy_coordinator(self)
+        if coordinator is None:
+            return
+        running, none_waiting = tf_internals.inflight_closures(coordinator)
+        if running or not none_waiting:
+            raise ValueError(
+                "A new tf2sync.SyncOptimizer would replace this strategy's "
+                "while functions scheduled for the current one are still "
+                f"running ({running} on workers): create it after they end "
+                "(after fit returns, or coordinator.join())."
+            )
+
     def _attach(self, aggregator) -> None:
-        """Attaches a SyncOptimizer's barrier: the core step protocol."""
+        """Attaches a SyncOptimizer's barrier: the core step protocol.
+
+        A later SyncOptimizer replaces an earlier one, as compiling a model
+        again replaces its optimizer (say, after changing which layers
+        train): the earlier one's steps fail from then on, when traced
+        (`SyncOptimizer.apply_gradients`) or at their first token if
+        traced before (`Aggregator.retire`), so that no step ever updates
+        the weights through two optimizers' accumulators at once.
+        """
+        self._check_can_attach()
+        previous = self._protocol
+        if previous is not None:
+            if self._watchdog is not None:
+                self._watchdog.stop()
+                self._watchdog = None
+            previous.aggregator.retire()
+            self._protocol = None
+            logging.info(
+                "SyncParameterServerStrategy: a new SyncOptimizer replaces "
+                "the previous one (global step %d); steps traced for the "
+                "previous one fail from now on.",
+                int(previous.aggregator.global_step.numpy()),
+            )
         self._attach_protocol(
             TokenFirstStep(aggregator, self._extended._tf2sync_variables)
         )
@@ -267,9 +311,10 @@ class SyncParameterServerStrategy(
         if self._protocol is not None:
             raise ValueError(
                 "This SyncParameterServerStrategy already has a synchronous "
-                "optimizer (a tf2sync.SyncOptimizer or a "
-                "tf2sync.compat.v1.SyncReplicasOptimizer): one per strategy. "
-                "Use tf2sync.MultiOptimizer for several variable groups."
+                "optimizer of the other kind (a tf2sync.SyncOptimizer and a "
+                "tf2sync.compat.v1.SyncReplicasOptimizer do not mix on one "
+                "strategy). Use tf2sync.MultiOptimizer for several variable "
+                "groups."
             )
         self._protocol = protocol
 

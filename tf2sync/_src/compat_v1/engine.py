@@ -88,7 +88,7 @@ class PushFirstStep:
             protocol = cls(strategy)
             strategy._attach_protocol(protocol)
         elif not isinstance(protocol, cls):
-            strategy._attach_protocol(cls(strategy))  # raises: one per strategy
+            strategy._attach_protocol(cls(strategy))  # raises: kinds do not mix
         return protocol
 
     # Tracing ---------------------------------------------------------------
