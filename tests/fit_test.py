@@ -764,6 +764,28 @@ class ReplaceOptimizerTest(absltest.TestCase):
         self.assertEqual(int(first.iterations.numpy()), 2)
         self.assertEqual(int(second.iterations.numpy()), 3)
 
+    def test_compiling_again_and_again_logs_no_retracing_warning(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        _, _, ds = _full_batches()
+        warnings = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: warnings.append(record.getMessage())
+        logger = logging.getLogger("tensorflow")
+        logger.addHandler(handler)
+        try:
+            for _ in range(6):  # TF warns at 5 traces of one code object
+                with strategy.scope():
+                    model = testutil.dense_model()
+                    model.compile(
+                        tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1)),
+                        loss=testutil.LOSS,
+                    )
+                history = model.fit(ds, epochs=2, steps_per_epoch=2, verbose=0)
+                self.assertEqual(history.history["sync_steps"], [1, 2])
+        finally:
+            logger.removeHandler(handler)
+        self.assertEqual([w for w in warnings if "retracing" in w], [])
+
     def test_no_replacement_while_the_current_ones_steps_run(self):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         with strategy.scope():

@@ -192,7 +192,10 @@ class Aggregator:
                         [self._counters(), tf.cast(extra, tf.float64)], axis=0
                     )
 
-            self._totals_function = tf.function(read, autograph=False)
+            # One per aggregator, each traced once: no retracing to warn of.
+            self._totals_function = tf_internals.without_retracing_warning(
+                tf.function(read, autograph=False)
+            )
         values = self._totals_function().numpy()
         n = self.num_workers
         totals = {

@@ -937,6 +937,16 @@ def function_of_tf2sync(fn):
     return tf.function(functools.wraps(fn)(traced), autograph=False)
 
 
+def without_retracing_warning(function):
+    """`function` (a `tf.function`) that never logs TF's "triggered
+    tf.function retracing" warning (`_omit_frequent_tracing_warning`). TF
+    counts traces per Python code object, so a closure made once per
+    instance (each optimizer's counter read) would warn after five
+    instances in a process, although each traces once [2.21] [2.15]."""
+    function._omit_frequent_tracing_warning = True
+    return function
+
+
 def convert_as_caller(fn):
     """`fn`, converted by AutoGraph iff the code calling tf2sync is.
 
