@@ -475,6 +475,45 @@ class BadInputTest(parameterized.TestCase):
         self.assertNotIn("eval epoch=", out)
 
 
+class HelpTest(absltest.TestCase):
+    def test_help_lists_the_launchers_and_the_jobs_flags(self):
+        script = os.path.join(os.path.dirname(sys.executable), "tf2sync")
+        runs = [("python -m tf2sync", ())]
+        if os.path.exists(script):
+            runs.append(("tf2sync", (script,)))
+        for name, command in runs:
+            with self.subTest(name):
+                if command:
+                    process = subprocess.run(
+                        [*command, "--help"],
+                        capture_output=True,
+                        text=True,
+                        env=procutil.ENV,
+                        timeout=120,
+                    )
+                    rc, out = process.returncode, process.stdout
+                else:
+                    rc, out, _, _ = _run(["--help"])
+                self.assertEqual(rc, 1)  # absl's --help exits 1
+                for flag in (
+                    "--local_cluster",
+                    "--job_name",
+                    "--replicas_to_aggregate",
+                    "--checkpoint_dir",
+                    "--learning_rate",
+                ):
+                    self.assertIn(f"  {flag}: ", out)
+                self.assertIn("tf2sync", out.splitlines()[0])
+                # Only the launcher's, not every library's (--helpfull).
+                self.assertNotIn("--xml_output_file", out)
+        # A job's own flags too (jobs/clicks.py defines --clicks_vocab_size).
+        rc, out, _, _ = _run(
+            ["--job_module=tf2sync._src.jobs.clicks", "--help"]
+        )
+        self.assertEqual(rc, 1)
+        self.assertIn("  --clicks_vocab_size: ", out)
+
+
 class FlagChecksTest(parameterized.TestCase):
     """The pure checks, in process: what they let through."""
 
