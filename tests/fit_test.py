@@ -18,13 +18,31 @@ from tf2sync._src import unrolled_fit
 def _reference(x, y, steps, opt_fn, model_fn=testutil.dense_model):
     """`model_fn()` after `steps` single-process steps on the batch."""
     model = model_fn()
-    opt = opt_fn()
+    _full_batch_steps(model, x, y, steps, opt_fn())
+    return model
+
+
+def _full_batch_steps(model, x, y, steps, opt):
+    """`steps` single-process steps of `model`'s trainable variables."""
     for _ in range(steps):
         with tf.GradientTape() as tape:
             loss = testutil.mean_loss(y, model(x))
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
-    return model
+
+
+@contextlib.contextmanager
+def _tensorflow_warnings():
+    """Yields a list of the "tensorflow" logger's warnings meanwhile."""
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger = logging.getLogger("tensorflow")
+    logger.addHandler(handler)
+    try:
+        yield warnings
+    finally:
+        logger.removeHandler(handler)
 
 
 def _compiled(learning_rate=0.05, **compile_kwargs):
@@ -130,17 +148,10 @@ class FitTest(parameterized.TestCase):
         if unroll is not None:
             tf2sync.unroll_fit_steps(model, unroll)
         x, y, ds = _full_batches()
-        warnings = []
-        handler = logging.Handler(logging.WARNING)
-        handler.emit = lambda record: warnings.append(record.getMessage())
-        logger = logging.getLogger("tensorflow")
-        logger.addHandler(handler)
-        try:
+        with _tensorflow_warnings() as warnings:
             history = model.fit(
                 ds, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0
             )
-        finally:
-            logger.removeHandler(handler)
         inexact = [w for w in warnings if "Could not get Model metric" in w]
         pushes = epochs * steps_per_epoch
         updates = int(optimizer.iterations.numpy())
@@ -730,14 +741,9 @@ class ReplaceOptimizerTest(absltest.TestCase):
         # The reference: 2 full-batch steps of the head, then 3 of both.
         reference = testutil.dense_model()
         reference.layers[0].trainable = False
-        for opt, steps in ((opt_fn(), 2), (opt_fn(), 3)):
-            for _ in range(steps):
-                with tf.GradientTape() as tape:
-                    loss = testutil.mean_loss(y, reference(x))
-                weights = reference.trainable_variables
-                grads = tape.gradient(loss, weights)
-                opt.apply_gradients(zip(grads, weights))
-            reference.layers[0].trainable = True
+        _full_batch_steps(reference, x, y, 2, opt_fn())
+        reference.layers[0].trainable = True
+        _full_batch_steps(reference, x, y, 3, opt_fn())
         self.assertLess(
             testutil.max_abs_diff(model.get_weights(), reference.get_weights()),
             1e-5,
@@ -767,12 +773,7 @@ class ReplaceOptimizerTest(absltest.TestCase):
     def test_compiling_again_and_again_logs_no_retracing_warning(self):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         _, _, ds = _full_batches()
-        warnings = []
-        handler = logging.Handler(logging.WARNING)
-        handler.emit = lambda record: warnings.append(record.getMessage())
-        logger = logging.getLogger("tensorflow")
-        logger.addHandler(handler)
-        try:
+        with _tensorflow_warnings() as warnings:
             for _ in range(6):  # TF warns at 5 traces of one code object
                 with strategy.scope():
                     model = testutil.dense_model()
@@ -782,8 +783,6 @@ class ReplaceOptimizerTest(absltest.TestCase):
                     )
                 history = model.fit(ds, epochs=2, steps_per_epoch=2, verbose=0)
                 self.assertEqual(history.history["sync_steps"], [1, 2])
-        finally:
-            logger.removeHandler(handler)
         self.assertEqual([w for w in warnings if "retracing" in w], [])
 
     def test_no_replacement_while_the_current_ones_steps_run(self):

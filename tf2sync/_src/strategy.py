@@ -33,6 +33,14 @@ _UNWRAPPED_MESSAGE = (
 )
 
 
+_MIXED_KINDS_MESSAGE = (
+    "This SyncParameterServerStrategy already has a synchronous optimizer of "
+    "the other kind (a tf2sync.SyncOptimizer and a "
+    "tf2sync.compat.v1.SyncReplicasOptimizer do not mix on one strategy). "
+    "Use tf2sync.MultiOptimizer for several variable groups."
+)
+
+
 class _SyncExtended(tf_internals.ParameterServerExtended):
     """Refuses variable updates that do not come from a SyncOptimizer.
 
@@ -262,7 +270,7 @@ class SyncParameterServerStrategy(
         if protocol is None:
             return
         if not isinstance(protocol, TokenFirstStep):
-            self._attach_protocol(protocol)  # raises: the kinds do not mix
+            raise ValueError(_MIXED_KINDS_MESSAGE)
         coordinator = tf_internals.strategy_coordinator(self)
         if coordinator is None:
             return
@@ -285,7 +293,7 @@ class SyncParameterServerStrategy(
         traced before (`Aggregator.retire`), so that no step ever updates
         the weights through two optimizers' accumulators at once.
         """
-        self._check_can_attach()
+        # The SyncOptimizer's constructor ran `_check_can_attach`.
         previous = self._protocol
         if previous is not None:
             if self._watchdog is not None:
@@ -309,13 +317,7 @@ class SyncParameterServerStrategy(
 
     def _attach_protocol(self, protocol) -> None:
         if self._protocol is not None:
-            raise ValueError(
-                "This SyncParameterServerStrategy already has a synchronous "
-                "optimizer of the other kind (a tf2sync.SyncOptimizer and a "
-                "tf2sync.compat.v1.SyncReplicasOptimizer do not mix on one "
-                "strategy). Use tf2sync.MultiOptimizer for several variable "
-                "groups."
-            )
+            raise ValueError(_MIXED_KINDS_MESSAGE)
         self._protocol = protocol
 
     def run(self, fn, args=(), kwargs=None, options=None):

@@ -634,8 +634,8 @@ def _check_scalar_loss(loss, loss_fn):
         raise ValueError(
             "`loss_fn` must return a scalar, the mean over the replica's "
             f"batch; it returned shape {loss.shape.as_list()}. Use a "
-            "tf.keras loss with its "
-            "default reduction, or tf.reduce_mean. Received: "
+            "tf.keras loss with its default reduction, or tf.reduce_mean. "
+            "Received: "
             f"loss_fn={loss_fn!r}"
         )
 
