@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from absl import flags
+
 _state = {"log_dir": None, "done": False, "console_fd": 2}
 
 # Must be set before TensorFlow's C++ runtime loads (before `import
@@ -275,3 +277,25 @@ def console_fd() -> int:
 def launcher_log_dir() -> str | None:
     """The directory `setup_launcher` chose, if it ran and sent logs there."""
     return _state["log_dir"]
+
+
+def flags_in_help(*modules) -> None:
+    """Makes `--help` list the flags of `modules` (those imported).
+
+    absl's `--help` shows the key flags of the module named by
+    `sys.argv[0]`, here the console script (or `tf2sync/__main__.py`),
+    which defines none; its usage line is `__main__`'s docstring, which
+    the console script lacks.
+    """
+    main = sys.argv[0]
+    for module in modules:
+        if module in sys.modules:
+            for flag in flags.FLAGS.get_key_flags_for_module(module):
+                flags.FLAGS.register_key_flag_for_module(main, flag)
+    script = sys.modules.get("__main__")
+    if script is not None and not getattr(script, "__doc__", None):
+        script.__doc__ = (
+            "tf2sync: synchronous parameter-server training. Without role "
+            "flags or TF_CONFIG it starts a local cluster (2 workers, 1 ps) "
+            f"and trains --job_module on it.\n\nUSAGE: {main} [flags]"
+        )

@@ -1052,32 +1052,12 @@ def _import_job_before_flags(argv):
         flags.FLAGS.set_default(flag_name, default)
 
 
-def _flags_in_help(job_module) -> None:
-    """Makes `tf2sync --help` list the launcher's flags and the job's.
-
-    absl's `--help` shows the key flags of the module named by
-    `sys.argv[0]`, here the console script, which defines none; its usage
-    line is `__main__`'s docstring, which the script lacks.
-    """
-    main = sys.argv[0]
-    for module in (__name__, job_module):
-        if module in sys.modules:
-            for flag in flags.FLAGS.get_key_flags_for_module(module):
-                flags.FLAGS.register_key_flag_for_module(main, flag)
-    script = sys.modules.get("__main__")
-    if script is not None and not getattr(script, "__doc__", None):
-        script.__doc__ = (
-            "tf2sync: synchronous parameter-server training. Without role "
-            "flags or TF_CONFIG it starts a local cluster (2 workers, 1 ps) "
-            f"and trains --job_module on it.\n\nUSAGE: {main} [flags]"
-        )
-
-
 def run():
     """Console-script entry point."""
     console.setup_launcher(sys.argv)  # done already by `tf2sync`'s import
     _import_job_before_flags(sys.argv)
-    _flags_in_help(
-        console.flag_value(sys.argv, "job_module") or _JOB_MODULE.default
+    console.flags_in_help(
+        __name__,
+        console.flag_value(sys.argv, "job_module") or _JOB_MODULE.default,
     )
     app.run(main)
