@@ -279,15 +279,28 @@ def launcher_log_dir() -> str | None:
     return _state["log_dir"]
 
 
+# absl's short help: `--help`, `-?`, `--helpshort` (one or two dashes).
+_HELP_FLAGS = ("help", "?", "helpshort")
+
+
 def flags_in_help(*modules) -> None:
     """Makes `--help` list the flags of `modules` (those imported).
 
     absl's `--help` shows the key flags of the module named by
     `sys.argv[0]`, here the console script (or `tf2sync/__main__.py`),
     which defines none; its usage line is `__main__`'s docstring, which
-    the console script lacks.
+    the console script lacks. Only when help is asked for: absl prints the
+    same text above every usage error, which stays one line.
     """
     main = sys.argv[0]
+    args = sys.argv[1:]
+    if "--" in args:
+        args = args[: args.index("--")]
+    if not any(
+        arg.startswith("-") and arg.lstrip("-").split("=")[0] in _HELP_FLAGS
+        for arg in args
+    ):
+        return
     for module in modules:
         if module in sys.modules:
             for flag in flags.FLAGS.get_key_flags_for_module(module):
