@@ -100,6 +100,18 @@ class LocalModeTest(parameterized.TestCase):
         self.assertTrue(console.is_launcher(["/venv/bin/tf2sync", "--x"]))
         self.assertFalse(console.is_launcher(["-m"]))
         self.assertFalse(console.is_launcher(["/usr/bin/python3"]))
+        # `python -m tf2sync` while Python imports the package.
+        for orig in (
+            ["python3", "-m", "tf2sync", "--epochs=2"],
+            ["python3", "-u", "-mtf2sync"],
+        ):
+            self.assertTrue(console.is_launcher(["-m"], orig), orig)
+        for orig in (
+            ["python3", "-m", "pytest", "tf2sync"],
+            ["python3", "-m", "tf2sync.something"],
+            ["python3", "-c", "import tf2sync"],
+        ):
+            self.assertFalse(console.is_launcher(["-m"], orig), orig)
 
 
 class LogDirPruningTest(absltest.TestCase):

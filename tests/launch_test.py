@@ -475,6 +475,12 @@ class MainJobConsoleTest(absltest.TestCase):
         script = os.path.join(os.path.dirname(sys.executable), "tf2sync")
         if not os.path.exists(script):
             self.skipTest(f"no console script at {script}")
+        self._check_console([script, "--epochs=2"])
+
+    def test_python_dash_m_has_the_same_console(self):
+        self._check_console([sys.executable, "-m", "tf2sync", "--epochs=2"])
+
+    def _check_console(self, command):
         env = dict(os.environ)  # as a user's shell: no TF_CPP_MIN_LOG_LEVEL
         for name in (
             "TF_CPP_MIN_LOG_LEVEL",
@@ -482,7 +488,7 @@ class MainJobConsoleTest(absltest.TestCase):
             "TF_CONFIG",
         ):
             env.pop(name, None)
-        out = _run_on_a_terminal([script, "--epochs=2"], env, timeout=300)
+        out = _run_on_a_terminal(command, env, timeout=300)
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         console = (out.stdout + out.stderr).splitlines()
         native = [line for line in console if _NATIVE_LOG_LINE.search(line)]

@@ -224,10 +224,31 @@ def runs_local_cluster(argv, environ=os.environ) -> bool:
     return source == "local"
 
 
-def is_launcher(argv=None) -> bool:
-    """Whether this process is the `tf2sync` console script."""
+def is_launcher(argv=None, orig_argv=None) -> bool:
+    """Whether this process is the launcher: `tf2sync` or `python -m tf2sync`.
+
+    Args:
+      argv: `sys.argv` (default). While `python -m` imports the package,
+        before its `__main__` runs, `argv[0]` is "-m".
+      orig_argv: the interpreter's own command line (default
+        `sys.orig_argv`), which names the module after `-m`.
+    """
     argv = sys.argv if argv is None else argv
-    return bool(argv) and os.path.basename(argv[0]) == "tf2sync"
+    if not argv:
+        return False
+    if os.path.basename(argv[0]) == "tf2sync":
+        return True
+    if argv[0] != "-m":
+        return False
+    orig_argv = (
+        getattr(sys, "orig_argv", ()) if orig_argv is None else orig_argv
+    )
+    for i, arg in enumerate(orig_argv[1:], start=1):
+        if arg == "-m":
+            return list(orig_argv[i + 1 : i + 2]) == ["tf2sync"]
+        if arg == "-mtf2sync":
+            return True
+    return False
 
 
 def setup_launcher(argv) -> str | None:
