@@ -215,6 +215,41 @@ class TrainerTest(parameterized.TestCase):
             trainer.train(dataset, epochs=1, steps_per_epoch=4)
         self.assertEqual(int(parts[2].iterations.numpy()), 0)
 
+    def test_a_replaced_optimizers_trainer_changes_nothing(self):
+        # Fine-tuning with a second Trainer: the first one's `train` must
+        # not restore its old checkpoint over the new weights.
+        strategy, model, first = _parts()
+        directory = tempfile.mkdtemp()
+        old = _trainer((strategy, model, first), 2, checkpoint_dir=directory)
+        old.train(_dataset_fn, epochs=1, steps_per_epoch=4)
+        saved = sorted(os.listdir(directory))
+        with strategy.scope():
+            second = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+        _trainer((strategy, model, second), 2).train(
+            _dataset_fn, epochs=1, steps_per_epoch=4
+        )
+        trained = model.get_weights()
+        with self.assertRaisesRegex(
+            ValueError, r"^This SyncOptimizer \(SyncAdam\) was replaced"
+        ):
+            old.train(_dataset_fn, epochs=2, steps_per_epoch=4)
+        self.assertEqual(testutil.max_abs_diff(trained, model.get_weights()), 0)
+        self.assertEqual(sorted(os.listdir(directory)), saved)
+        self.assertEqual(int(second.iterations.numpy()), 2)
+        # A trainer of the replaced optimizer, or of a plain one, is
+        # refused when it is created.
+        with self.assertRaisesRegex(ValueError, r"\(SyncAdam\) was replaced"):
+            _trainer((strategy, model, first), 2)
+        with strategy.scope():
+            plain = tf.keras.optimizers.SGD(0.1)
+        with self.assertRaisesRegex(
+            TypeError,
+            r"^Trainer's `optimizer` must be a tf2sync.SyncOptimizer .* "
+            r"Received: optimizer=<tf_keras.*SGD",
+        ):
+            _trainer((strategy, model, plain), 2)
+        self.assertEqual(int(second.iterations.numpy()), 2)
+
     def test_each_local_replica_counts_its_share_of_the_workers_gradient(
         self,
     ):

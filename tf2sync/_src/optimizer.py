@@ -241,6 +241,21 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             )
         return self._ema.swapped()
 
+    def _check_current(self):
+        """Raises `ValueError` if a later `SyncOptimizer` replaced this one.
+
+        A strategy trains through one `SyncOptimizer` at a time (the class
+        doc); `apply_gradients`, `build` and `tf2sync.Trainer.train` call
+        this first, so a replaced optimizer changes nothing.
+        """
+        if self._aggregator.retired:
+            raise ValueError(
+                f"This SyncOptimizer ({self._name}) was replaced by a later "
+                "one created under its strategy (a strategy trains through "
+                "one SyncOptimizer at a time): compile the model with the "
+                "new one, or create each one when its training begins."
+            )
+
     def build(self, var_list):
         """Creates the wrapped optimizer's slots eagerly, under the scope.
 
@@ -249,7 +264,11 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
 
         Args:
           var_list: The trainable variables this optimizer will update.
+
+        Raises:
+          ValueError: If a later `SyncOptimizer` replaced this one.
         """
+        self._check_current()
         with tf.init_scope(), self._strategy.scope():
             keras_compat.build(self._optimizer, var_list)
         if self._ema is not None:
@@ -300,13 +319,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
                 "was created under (model.fit does this; in a custom loop, "
                 "call it from the function passed to strategy.run)."
             )
-        if self._aggregator.retired:
-            raise ValueError(
-                f"This SyncOptimizer ({self._name}) was replaced by a later "
-                "one created under its strategy (a strategy trains through "
-                "one SyncOptimizer at a time): compile the model with the "
-                "new one, or create each one when its training begins."
-            )
+        self._check_current()
         if step.pushed:
             raise RuntimeError(
                 "SyncOptimizer.apply_gradients was called twice in one "

@@ -114,11 +114,14 @@ class Trainer:
             (the default): the strategy's (`strategy.options`).
 
         Raises:
-          TypeError: If `options` is not a `tf2sync.SyncOptions` or None.
+          TypeError: If `options` is not a `tf2sync.SyncOptions` or None,
+            or `optimizer` is neither optimizer above.
           ValueError: If `steps_per_loop` is not a positive int, or
-            `use_tf_while_loop` not None or a bool.
+            `use_tf_while_loop` not None or a bool, or a later
+            `SyncOptimizer` replaced `optimizer`.
         """
         _check_loop_arguments(steps_per_loop, use_tf_while_loop)
+        _check_optimizer(optimizer)
         self.options = _checked_options(strategy, options)
         self.strategy = strategy
         self.model = model
@@ -336,8 +339,15 @@ class Trainer:
           ValueError: If `steps_per_epoch` is not a multiple of
             `steps_per_loop`, or is given with a `ServicePassPerEpoch`
             (or missing without one); or a `ServicePassPerEpoch` is given
-            with the TF1 shim.
+            with the TF1 shim; or a later `SyncOptimizer` replaced this
+            trainer's (then neither the model nor a checkpoint changes).
         """
+        sync = None
+        if not self._shim:
+            sync = callbacks_lib.find_sync_optimizer(self.optimizer)
+            # Before the restore below: a replaced optimizer's trainer
+            # must not load its old checkpoint over the model.
+            sync._check_current()
         service = isinstance(dataset_fn, data_service.ServicePassPerEpoch)
         if not service:
             _check_dataset_fn(dataset_fn)
@@ -371,9 +381,6 @@ class Trainer:
             loop = self._loop = self._loop_function(
                 traces=traces if single is not None else None
             )
-        sync = None
-        if not self._shim:
-            sync = callbacks_lib.find_sync_optimizer(self.optimizer)
         callback_list.on_train_begin()
         for epoch in range(start_epoch, epochs):
             self.train_loop_begin()
@@ -603,6 +610,21 @@ def _local_replicas() -> int:
     """Replicas of this worker's step (its GPUs; 1 on CPU), from the
     replica context `strategy.run` enters."""
     return tf.distribute.get_replica_context().num_replicas_in_sync
+
+
+def _check_optimizer(optimizer):
+    """Raises `TypeError` unless the trainer can step through `optimizer`."""
+    if isinstance(optimizer, compat_v1.SyncReplicasOptimizer):
+        return
+    try:
+        callbacks_lib.find_sync_optimizer(optimizer)
+    except ValueError:
+        raise TypeError(
+            "Trainer's `optimizer` must be a tf2sync.SyncOptimizer (or a "
+            "tf2sync.compat.v1.SyncReplicasOptimizer): another optimizer "
+            "would train asynchronously. Received: "
+            f"optimizer={optimizer!r}"
+        ) from None
 
 
 def _check_dataset_fn(dataset_fn):
