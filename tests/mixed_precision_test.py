@@ -1,5 +1,8 @@
 """Non-finite gradients and mixed precision (tf2sync's own loss scaling)."""
 
+import os
+import tempfile
+
 import numpy as np
 import tensorflow as tf
 import testutil
@@ -162,6 +165,62 @@ class MixedPrecisionTest(parameterized.TestCase):
         self.assertGreater(int(optimizer.iterations.numpy()), 0)
         for w in model.get_weights():
             self.assertTrue(np.all(np.isfinite(w)))
+
+    def test_a_legacy_optimizers_checkpoint_keeps_slots_and_scale(self):
+        # ModelCheckpoint's TF-format save used to fail at the first epoch
+        # end: the loss-scale wrapper, the SyncOptimizer and the legacy
+        # inner optimizer each listed the momentum slots.
+        def parts():
+            strategy = testutil.strategy(2, replicas_to_aggregate=2)
+            with strategy.scope():
+                model = self._model()
+                optimizer = tf2sync.SyncOptimizer(
+                    tf.keras.mixed_precision.LossScaleOptimizer(
+                        tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9),
+                        initial_scale=64.0,
+                        dynamic_growth_steps=2,
+                    )
+                )
+                model.compile(optimizer=optimizer, loss=testutil.LOSS)
+                optimizer.build(model.trainable_variables)
+            return model, optimizer
+
+        def momenta(model, optimizer):
+            return [
+                optimizer.get_slot(var, "momentum").numpy()
+                for var in model.trainable_variables
+            ]
+
+        model, optimizer = parts()
+        x, y = testutil.data("dense", 16)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        model.fit(
+            ds,
+            epochs=1,
+            steps_per_epoch=8,
+            verbose=0,
+            callbacks=[
+                tf.keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
+            ],
+        )
+        self.assertEqual(optimizer.get_slot_names(), ["momentum"])
+        saved = momenta(model, optimizer)
+        self.assertGreater(max(float(np.abs(m).max()) for m in saved), 0)
+        restored_model, restored = parts()
+        restored_model.load_weights(path).assert_existing_objects_matched()
+        self.assertEqual(int(restored.iterations.numpy()), 4)
+        self.assertEqual(float(optimizer.loss_scale.numpy()), 256.0)
+        self.assertEqual(float(restored.loss_scale.numpy()), 256.0)
+        self.assertEqual(
+            testutil.max_abs_diff(
+                restored_model.get_weights(), model.get_weights()
+            ),
+            0,
+        )
+        self.assertEqual(
+            testutil.max_abs_diff(momenta(restored_model, restored), saved), 0
+        )
 
     def test_policy_alone_turns_loss_scaling_on(self):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)

@@ -26,6 +26,7 @@ from absl.testing import parameterized
 import tf2sync
 from tf2sync._src import sharding
 from tf2sync._src import step_context
+from tf2sync._src import tf_internals
 
 NUM_WORKERS, NUM_PS = 2, 3
 VOCAB_A, VOCAB_B = 50, 31
@@ -35,6 +36,10 @@ OPTIMIZERS = {
     "momentum": lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9),
     "adam": lambda: tf.keras.optimizers.Adam(0.01),
     "legacy_adam": lambda: tf.keras.optimizers.legacy.Adam(0.01),
+    "legacy_momentum": lambda: tf.keras.optimizers.legacy.SGD(
+        0.1, momentum=0.9
+    ),
+    "legacy_adagrad": lambda: tf.keras.optimizers.legacy.Adagrad(0.1),
 }
 
 
@@ -401,12 +406,12 @@ class EverywhereTest(parameterized.TestCase):
             self.assertTrue(np.all(np.isfinite(w)))
 
 
-def trained(shards, steps=4):
+def trained(shards, steps=4, optimizer="momentum"):
     """A two-table model fit for `steps` updates over `shards` shards."""
     sync = strategy(shards)
     with sync.scope():
         model = two_tables_model()
-        opt = tf2sync.SyncOptimizer(OPTIMIZERS["momentum"]())
+        opt = tf2sync.SyncOptimizer(OPTIMIZERS[optimizer]())
         model.compile(optimizer=opt, loss=testutil.LOSS)
     x, y = testutil.data("sparse", 16)
     ds = tf.data.Dataset.from_tensors((x, y)).repeat()
@@ -455,9 +460,17 @@ class GuaranteesTest(absltest.TestCase):
 
 class CheckpointTest(parameterized.TestCase):
     @staticmethod
-    def _momenta(opt):
-        """Each model variable's momentum, its shards concatenated."""
+    def _momenta(opt, model):
+        """Each model variable's slots, its shards' concatenated."""
         inner = opt.inner_optimizer
+        if hasattr(inner, "get_slot_names"):  # the legacy family
+            return [
+                np.concatenate(
+                    [inner.get_slot(part, name).numpy() for part in parts]
+                )
+                for name in inner.get_slot_names()
+                for _, parts in tf_internals.group_shards(model.weights)
+            ]
         out = []
         for var in inner.variables():
             if var is inner.iterations or var.shape.rank == 0:
@@ -467,18 +480,28 @@ class CheckpointTest(parameterized.TestCase):
         return out
 
     @parameterized.named_parameters(
-        ("3_to_2", 3, 2), ("3_to_1", 3, 1), ("1_to_3", 1, 3), ("2_to_2", 2, 2)
+        ("3_to_2", 3, 2),
+        ("3_to_1", 3, 1),
+        ("1_to_3", 1, 3),
+        ("2_to_2", 2, 2),
+        # The legacy family's slots belong to the inner optimizer alone
+        # (its wrapper lists them too, for users).
+        ("legacy_momentum_2_to_1", 2, 1, "legacy_momentum"),
+        ("legacy_adagrad_1_to_2", 1, 2, "legacy_adagrad"),
     )
-    def test_saved_with_s_shards_restores_with_s_prime(self, saved, restored):
-        model, opt = trained(saved)
+    def test_saved_with_s_shards_restores_with_s_prime(
+        self, saved, restored, optimizer="momentum"
+    ):
+        model, opt = trained(saved, optimizer=optimizer)
         path = tf.train.Checkpoint(model=model, optimizer=opt).save(
             os.path.join(tempfile.mkdtemp(), "ckpt")
         )
-        weights, momenta = full_weights(model), self._momenta(opt)
+        weights, momenta = full_weights(model), self._momenta(opt, model)
+        self.assertGreater(max(float(np.abs(m).max()) for m in momenta), 0)
         sync = strategy(restored)
         with sync.scope():
             model2 = two_tables_model(seed=5)
-            opt2 = tf2sync.SyncOptimizer(OPTIMIZERS["momentum"]())
+            opt2 = tf2sync.SyncOptimizer(OPTIMIZERS[optimizer]())
             model2.compile(optimizer=opt2, loss=testutil.LOSS)
             opt2.build(model2.trainable_variables)
         self.assertEqual(set(shard_counts(model2).values()), {restored})
@@ -489,9 +512,62 @@ class CheckpointTest(parameterized.TestCase):
         self.assertEqual(
             testutil.max_abs_diff(full_weights(model2), weights), 0
         )
-        self.assertEqual(testutil.max_abs_diff(self._momenta(opt2), momenta), 0)
+        self.assertEqual(
+            testutil.max_abs_diff(self._momenta(opt2, model2), momenta), 0
+        )
 
-    def test_trainer_resume_with_the_same_shards_is_exact(self):
+    @parameterized.named_parameters(("1_to_2", 1, 2), ("2_to_2", 2, 2))
+    def test_a_legacy_restore_before_the_build_keeps_the_slots(
+        self, saved, restored
+    ):
+        # `model.load_weights` before `fit` builds the optimizer: tf_keras
+        # creates each restored slot of a sharded variable whole, then the
+        # build made the shards' slots from zero and forgot the whole ones.
+        model, opt = trained(saved, optimizer="legacy_momentum")
+        path = tf.train.Checkpoint(model=model, optimizer=opt).save(
+            os.path.join(tempfile.mkdtemp(), "ckpt")
+        )
+        momenta = self._momenta(opt, model)
+
+        def restored_parts(build_first):
+            sync = strategy(restored)
+            with sync.scope():
+                new_model = two_tables_model(seed=5)
+                new_opt = tf2sync.SyncOptimizer(OPTIMIZERS["legacy_momentum"]())
+                new_model.compile(optimizer=new_opt, loss=testutil.LOSS)
+                if build_first:
+                    new_opt.build(new_model.trainable_variables)
+            tf.train.Checkpoint(model=new_model, optimizer=new_opt).restore(
+                path
+            )
+            new_opt.build(new_model.trainable_variables)
+            return new_model, new_opt
+
+        late_model, late_opt = restored_parts(build_first=False)
+        self.assertEqual(
+            testutil.max_abs_diff(self._momenta(late_opt, late_model), momenta),
+            0,
+        )
+        early_model, early_opt = restored_parts(build_first=True)
+        # No whole slot is left beside the shards' ones.
+        self.assertEqual(
+            len(late_opt.inner_optimizer.weights),
+            len(early_opt.inner_optimizer.weights),
+        )
+        x, y = testutil.data("sparse", 16)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        for each in (late_model, early_model):
+            each.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+        self.assertLess(
+            testutil.max_abs_diff(
+                full_weights(late_model), full_weights(early_model)
+            ),
+            1e-6,
+        )
+        self.assertEqual(int(late_opt.iterations.numpy()), 5)
+
+    @parameterized.parameters("adam", "legacy_adagrad")
+    def test_trainer_resume_with_the_same_shards_is_exact(self, optimizer):
         x, y = testutil.data("sparse", 16)
 
         def dataset_fn(_):
@@ -501,7 +577,7 @@ class CheckpointTest(parameterized.TestCase):
             sync = strategy(3)
             with sync.scope():
                 model = two_tables_model()
-                opt = tf2sync.SyncOptimizer(OPTIMIZERS["adam"]())
+                opt = tf2sync.SyncOptimizer(OPTIMIZERS[optimizer]())
             return tf2sync.Trainer(
                 strategy=sync,
                 model=model,

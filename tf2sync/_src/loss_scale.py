@@ -104,6 +104,11 @@ class SyncLossScaleOptimizer(tf_internals.LegacyLossScaleOptimizer):
             aggregator.on_nonfinite.append(lambda: _halve(state))
             aggregator.after_apply.append(lambda: _count_good_step(state))
 
+    def __dir__(self):
+        # Its checkpoint node is the SyncOptimizer's, whose inner optimizer
+        # (a child) saves the slots.
+        return tf_internals.dir_without_slot_owner(super().__dir__())
+
     @property
     def sync_optimizer(self):
         """The wrapped `SyncOptimizer`."""

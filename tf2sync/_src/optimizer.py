@@ -182,7 +182,12 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         return names() if names else []
 
     def get_slot(self, var, slot_name):
+        """The legacy inner optimizer's slot `slot_name` of `var`."""
         return self._optimizer.get_slot(var, slot_name)
+
+    def __dir__(self):
+        # The slots are saved through the inner optimizer (a child).
+        return tf_internals.dir_without_slot_owner(super().__dir__())
 
     def get_config(self):
         return {

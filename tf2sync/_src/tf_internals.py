@@ -52,6 +52,7 @@ from tf_keras.src.engine import data_adapter as keras_data_adapter
 from tf_keras.src.engine import training as keras_training
 from tf_keras.src.mixed_precision import autocast_variable
 from tf_keras.src.mixed_precision import loss_scale_optimizer as lso
+from tf_keras.src.optimizers.legacy import optimizer_v2 as legacy_optimizer_v2
 
 # Graph ops [2.21] [2.15: kept] -----------------------------------------------
 # `tf.Operation` has no public way to change an op once it exists (TF1's
@@ -1120,7 +1121,10 @@ def optimizer_name(optimizer) -> str:
 
 def legacy_create_all_weights(optimizer, var_list) -> None:
     """Creates a legacy optimizer's slots and hyperparameters."""
+    early = _early_sharded_slots(optimizer, _sharded_containers(var_list))
     optimizer._create_all_weights(var_list)
+    keep_sharded_slot_views(optimizer)
+    _adopt_early_sharded_slots(optimizer, early)
 
 
 def legacy_transform_gradients(optimizer, grads_and_vars):
@@ -1230,6 +1234,90 @@ def standalone_keras_2_loaded() -> bool:
     (TF <= 2.15 ships Keras 2 as `keras` [2.15: kept]; 2.16+ Keras 3)."""
     version = getattr(sys.modules.get("keras"), "__version__", "")
     return version.startswith("2.")
+
+
+# Checkpoints [2.21] [2.15: kept] ---------------------------------------------
+# TF2's checkpoint writer finds an optimizer's slots through `dir()`, and
+# tf_keras's legacy optimizers make their sharded variables' slot views anew.
+
+
+def dir_without_slot_owner(names) -> list:
+    """`names` (a `dir()`) without `get_slot_names`, for a wrapper optimizer.
+
+    TF2's checkpoint writer (`checkpoint.util.serialize_slot_variables`)
+    takes every object whose `dir()` lists `get_slot_names` for a slot
+    owner. A wrapper that delegates `get_slot_names` to the optimizer it
+    tracks as a child would name each slot a second time, and the writer
+    refuses that ("A slot variable was re-used"): the slots are saved and
+    restored through the child alone.
+    """
+    return [name for name in names if name != "get_slot_names"]
+
+
+def keep_sharded_slot_views(optimizer) -> None:
+    """Makes a legacy optimizer's slot of a `ShardedVariable` one object.
+
+    tf_keras's legacy `get_slot(sharded_variable, name)` builds a new
+    `ShardedVariable` over the shards' slots at every call. A restore binds
+    one such view (restoring the shards' slots through it) and
+    `assert_existing_objects_matched` then lists another, unbound (stock
+    PSS does the same), although every slot was restored. With one view
+    per slot, kept here, the check finds the object the restore bound.
+    Wraps `get_slot` on this instance only; calling it again does nothing.
+    """
+    if getattr(optimizer, "_tf2sync_slot_views", None) is not None:
+        return
+    views = {}
+    get_slot = optimizer.get_slot
+
+    def one_view(var, slot_name):
+        slot = get_slot(var, slot_name)
+        if not isinstance(slot, sharded_variable.ShardedVariable):
+            return slot
+        key = (slot_name, tuple(id(shard) for shard in slot.variables))
+        return views.setdefault(key, slot)
+
+    optimizer._tf2sync_slot_views = views
+    optimizer.get_slot = one_view
+
+
+def _sharded_containers(var_list) -> list:
+    """The `ShardedVariable`s among `var_list` or its shards, once each."""
+    found = {}
+    for var in var_list:
+        container = sharded_container(var)
+        if isinstance(var, sharded_variable.ShardedVariable):
+            container = var
+        if container is not None:
+            found.setdefault(id(container), container)
+    return list(found.values())
+
+
+def _early_sharded_slots(optimizer, containers) -> list:
+    """`[(container, slot name, whole slot)]` a restore created too early.
+
+    A checkpoint restored before the legacy optimizer is built creates
+    each slot of a `ShardedVariable` as one whole variable (tf_keras's
+    `_create_or_restore_slot_variable`, with the checkpoint's value); the
+    build then creates the shards' slots and forgets the whole ones, so
+    the restored values were lost (stock PSS too).
+    """
+    early = []
+    for container in containers:
+        slots = optimizer._slots.get(
+            legacy_optimizer_v2._var_key(container), {}
+        )
+        for name, slot in slots.items():
+            if slot is not container:  # the build's marker is the container
+                early.append((container, name, slot))
+    return early
+
+
+def _adopt_early_sharded_slots(optimizer, early) -> None:
+    """Copies each early whole slot into its shards' slots, then drops it."""
+    for container, name, whole in early:
+        optimizer.get_slot(container, name).assign(whole.read_value())
+        optimizer._weights = [w for w in optimizer._weights if w is not whole]
 
 
 # tf.compat.v1.train optimizers (the TF1 shim) [2.21] [2.15: kept] ------------

@@ -191,11 +191,8 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
         return self._opt.get_slot_names(*args, **kwargs)
 
     def __dir__(self):
-        # TF2 checkpoints treat every object that lists `get_slot_names` as
-        # a slot owner. The slots are the inner optimizer's (a tracked child,
-        # saved and restored through it); listed here too, each would be
-        # saved twice and the save would fail.
-        return [n for n in super().__dir__() if n != "get_slot_names"]
+        # The slots are saved through the inner optimizer (a child).
+        return tf_internals.dir_without_slot_owner(super().__dir__())
 
     def variables(self):
         """The inner optimizer's variables (local steps excluded)."""
