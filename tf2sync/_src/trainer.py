@@ -121,8 +121,8 @@ class Trainer:
             `SyncOptimizer` replaced `optimizer`.
         """
         _check_loop_arguments(steps_per_loop, use_tf_while_loop)
-        _check_optimizer(optimizer)
         self.options = _checked_options(strategy, options)
+        _check_optimizer(optimizer)
         self.strategy = strategy
         self.model = model
         self.optimizer = optimizer
