@@ -104,12 +104,15 @@ class LocalModeTest(parameterized.TestCase):
         for orig in (
             ["python3", "-m", "tf2sync", "--epochs=2"],
             ["python3", "-u", "-mtf2sync"],
+            ["python3", "-um", "tf2sync"],
+            ["python3", "-Imtf2sync", "--epochs=2"],
         ):
             self.assertTrue(console.is_launcher(["-m"], orig), orig)
         for orig in (
             ["python3", "-m", "pytest", "tf2sync"],
             ["python3", "-m", "tf2sync.something"],
             ["python3", "-c", "import tf2sync"],
+            ["python3", "-um", "pytest"],
         ):
             self.assertFalse(console.is_launcher(["-m"], orig), orig)
 

@@ -565,6 +565,18 @@ class CheckpointTest(parameterized.TestCase):
             1e-6,
         )
         self.assertEqual(int(late_opt.iterations.numpy()), 5)
+        # Another optimizer's slots (restored with expect_partial) are left
+        # unused, as tf_keras leaves them: the build still works.
+        sync = strategy(restored)
+        with sync.scope():
+            other_model = two_tables_model(seed=5)
+            other = tf2sync.SyncOptimizer(OPTIMIZERS["legacy_adagrad"]())
+            other_model.compile(optimizer=other, loss=testutil.LOSS)
+        tf.train.Checkpoint(model=other_model, optimizer=other).restore(
+            path
+        ).expect_partial()
+        other_model.fit(ds, epochs=1, steps_per_epoch=2, verbose=0)
+        self.assertEqual(int(other.iterations.numpy()), 5)
 
     @parameterized.parameters("adam", "legacy_adagrad")
     def test_trainer_resume_with_the_same_shards_is_exact(self, optimizer):

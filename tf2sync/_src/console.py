@@ -14,15 +14,15 @@ warnings and errors go to the log file.
 
 Both must happen before TensorFlow loads, and importing `tf2sync` loads it:
 `tf2sync/__init__.py` calls `setup_launcher` first thing when the process
-is the `tf2sync` command (`sys.argv[0]`). This module imports no TensorFlow.
-`python -m tf2sync` runs the same setup from `launch.run`, after the import:
-the lines TensorFlow writes while it loads then still reach the console.
+is the launcher: the `tf2sync` command (`sys.argv[0]`) or `python -m
+tf2sync` (`sys.orig_argv`). This module imports no TensorFlow.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import stat
 import sys
@@ -244,11 +244,17 @@ def is_launcher(argv=None, orig_argv=None) -> bool:
         getattr(sys, "orig_argv", ()) if orig_argv is None else orig_argv
     )
     for i, arg in enumerate(orig_argv[1:], start=1):
-        if arg == "-m":
-            return list(orig_argv[i + 1 : i + 2]) == ["tf2sync"]
-        if arg == "-mtf2sync":
-            return True
+        # `-m`, or flags grouped before it (`-um`), the name after it or
+        # in the same word (`-mtf2sync`, `-umtf2sync`).
+        match = _DASH_M.match(arg)
+        if match:
+            module = match.group(1) or "".join(orig_argv[i + 1 : i + 2])
+            return module == "tf2sync"
     return False
+
+
+# Python's flags that take no value, grouped before `m` (`python -Im x`).
+_DASH_M = re.compile(r"^-[bBdEiIOPqsSuvx]*m(.*)$")
 
 
 def setup_launcher(argv) -> str | None:

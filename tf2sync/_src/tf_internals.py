@@ -1262,7 +1262,10 @@ def keep_sharded_slot_views(optimizer) -> None:
     one such view (restoring the shards' slots through it) and
     `assert_existing_objects_matched` then lists another, unbound (stock
     PSS does the same), although every slot was restored. With one view
-    per slot, kept here, the check finds the object the restore bound.
+    per slot, kept here, the check finds the object the restore bound
+    (after a restore into a built optimizer; one before the build binds
+    the early whole slots, see `_early_sharded_slots`, and a check after
+    the build still lists the views).
     Wraps `get_slot` on this instance only; calling it again does nothing.
     """
     if getattr(optimizer, "_tf2sync_slot_views", None) is not None:
@@ -1282,12 +1285,10 @@ def keep_sharded_slot_views(optimizer) -> None:
 
 
 def _sharded_containers(var_list) -> list:
-    """The `ShardedVariable`s among `var_list` or its shards, once each."""
+    """The `ShardedVariable`s whose shards `var_list` holds, once each."""
     found = {}
     for var in var_list:
         container = sharded_container(var)
-        if isinstance(var, sharded_variable.ShardedVariable):
-            container = var
         if container is not None:
             found.setdefault(id(container), container)
     return list(found.values())
@@ -1314,8 +1315,18 @@ def _early_sharded_slots(optimizer, containers) -> list:
 
 
 def _adopt_early_sharded_slots(optimizer, early) -> None:
-    """Copies each early whole slot into its shards' slots, then drops it."""
+    """Copies each early whole slot into its shards' slots, then drops it.
+
+    A slot the build made no shard slot of (a checkpoint of another
+    optimizer, restored with `expect_partial`) is left as tf_keras leaves
+    it: unused.
+    """
     for container, name, whole in early:
+        if not all(
+            name in optimizer._slots.get(legacy_optimizer_v2._var_key(s), {})
+            for s in container.variables
+        ):
+            continue
         optimizer.get_slot(container, name).assign(whole.read_value())
         optimizer._weights = [w for w in optimizer._weights if w is not whole]
 
