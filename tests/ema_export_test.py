@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 import testutil
 from absl.testing import absltest
+from absl.testing import parameterized
 
 import tf2sync
 
@@ -105,7 +106,7 @@ class EmaTest(absltest.TestCase):
                 )
 
 
-class ExportTest(absltest.TestCase):
+class ExportTest(parameterized.TestCase):
     def test_ema_model_loads_in_a_plain_process(self):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         with strategy.scope():
@@ -137,6 +138,53 @@ class ExportTest(absltest.TestCase):
         for path in paths.values():
             got = testutil.predict_in_plain_process(self, path, x)
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+    @parameterized.named_parameters(
+        ("adam", "float32", False, "Adam"),
+        ("legacy_momentum", "float32", True, "SGD"),
+        ("mixed_adam", "mixed_float16", False, "LossScaleOptimizerV3"),
+        ("mixed_legacy_momentum", "mixed_float16", True, "LossScaleOptimizer"),
+    )
+    def test_a_model_saved_with_its_optimizer_trains_in_a_plain_process(
+        self, policy, legacy, expected_optimizer
+    ):
+        # The default save keeps the optimizer; a process that evaluates,
+        # predicts or fine-tunes loads it without a cluster and gets the
+        # inner optimizer (its loss-scale wrapper under mixed_float16).
+        tf.keras.mixed_precision.set_global_policy(policy)
+        self.addCleanup(tf.keras.mixed_precision.set_global_policy, "float32")
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = testutil.dense_model()
+            inner = (
+                tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9)
+                if legacy
+                else tf.keras.optimizers.Adam(0.01)
+            )
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(inner, ema_decay=0.5),
+                loss=testutil.LOSS,
+            )
+        x, y = testutil.data("dense", 16)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=1, steps_per_epoch=4, verbose=0)
+        expected = model.predict(x, verbose=0)
+        directory = tempfile.mkdtemp()
+        paths = [
+            directory + "/model.keras",
+            directory + "/model.h5",
+            directory + "/savedmodel",
+        ]
+        for path in paths:
+            model.save(path)
+        got = testutil.load_and_train_in_plain_process(self, paths, x, y)
+        for path in paths:
+            self.assertEqual(got[path]["optimizer"], expected_optimizer, path)
+            np.testing.assert_allclose(
+                got[path]["predict"], expected, rtol=1e-2, atol=1e-3
+            )
+            self.assertGreater(got[path]["moved"], 0, path)
+            self.assertGreaterEqual(got[path]["iterations"], 2, path)
 
 
 if __name__ == "__main__":

@@ -222,6 +222,55 @@ class MixedPrecisionTest(parameterized.TestCase):
             testutil.max_abs_diff(momenta(restored_model, restored), saved), 0
         )
 
+    @parameterized.parameters(False, True)
+    def test_a_saved_model_reloads_under_the_strategy_with_its_scale_settings(
+        self, legacy
+    ):
+        # Loading used to fail for .keras: the SyncOptimizer inside was
+        # deserialized into a loss-scale optimizer of its own under the
+        # float16 policy, then wrapped again.
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = self._model()
+            inner = (
+                tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9)
+                if legacy
+                else tf.keras.optimizers.Adam(0.01)
+            )
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(
+                    tf.keras.mixed_precision.LossScaleOptimizer(
+                        inner, initial_scale=64.0, dynamic_growth_steps=2
+                    )
+                ),
+                loss=testutil.LOSS,
+            )
+        x, y = testutil.data("dense", 16)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=1, steps_per_epoch=4, verbose=0)
+        directory = tempfile.mkdtemp()
+        for path in ("model.keras", "model.h5", "savedmodel"):
+            path = os.path.join(directory, path)
+            model.save(path)
+            with testutil.strategy(2, replicas_to_aggregate=2).scope():
+                loaded = tf.keras.models.load_model(path)
+            optimizer = loaded.optimizer
+            self.assertIsInstance(
+                optimizer, tf.keras.mixed_precision.LossScaleOptimizer
+            )
+            self.assertIsInstance(
+                optimizer.sync_optimizer, tf2sync.SyncOptimizer
+            )
+            self.assertIsInstance(
+                optimizer.sync_optimizer.inner_optimizer, type(inner)
+            )
+            self.assertTrue(optimizer.dynamic)
+            self.assertEqual(optimizer.dynamic_growth_steps, 2)
+            loaded.fit(ds, epochs=1, steps_per_epoch=8, verbose=0)
+            # The file holds no optimizer state: 4 new steps from 64.
+            self.assertEqual(int(optimizer.iterations.numpy()), 4)
+            self.assertEqual(float(optimizer.loss_scale.numpy()), 256.0)
+
     def test_policy_alone_turns_loss_scaling_on(self):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         with strategy.scope():

@@ -659,17 +659,26 @@ class ExportTest(absltest.TestCase):
         local.set_weights(full_weights(model))
         expected = local.predict(x, verbose=0)
         directory = tempfile.mkdtemp()
+        paths = []
         for kind in ("model.keras", "savedmodel"):
             path = os.path.join(directory, kind)
-            # The native format keeps the optimizer (its config names
-            # tf2sync): a plain process loads it with compile=False.
             model.save(path)
+            paths.append(path)
+            # Without its optimizer, without tf2sync.
             np.testing.assert_allclose(
                 testutil.predict_in_plain_process(self, path, x),
                 expected,
                 rtol=1e-5,
                 atol=1e-6,
             )
+        # With it, compiled: the inner optimizer trains the whole tables.
+        _, y = testutil.data("sparse", 16)
+        got = testutil.load_and_train_in_plain_process(self, paths, x, y)
+        for path in paths:
+            np.testing.assert_allclose(
+                got[path]["predict"], expected, rtol=1e-5, atol=1e-6
+            )
+            self.assertGreater(got[path]["moved"], 0, path)
 
 
 if __name__ == "__main__":

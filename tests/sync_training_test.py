@@ -668,6 +668,38 @@ class ConfigErrorTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "Received strategy: _Default"):
             tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
 
+    def test_a_saved_config_loads_as_the_inner_optimizer_outside_pss(self):
+        with testutil.strategy(2, replicas_to_aggregate=2).scope():
+            config = tf.keras.optimizers.serialize(
+                tf2sync.SyncOptimizer(
+                    tf.keras.optimizers.legacy.SGD(0.25, momentum=0.5),
+                    ema_decay=0.9,
+                )
+            )
+        # Where a saved model is loaded to evaluate, predict or export.
+        with self.assertLogs(level="WARNING") as logs:
+            loaded = tf.keras.optimizers.deserialize(config)
+        self.assertIsInstance(loaded, tf.keras.optimizers.legacy.SGD)
+        self.assertEqual(float(loaded.learning_rate), 0.25)
+        self.assertIn(
+            "as its inner SGD, which is not synchronous", logs.output[0]
+        )
+        # Under a plain PSS it is refused, as SyncOptimizer(...) is there.
+        plain = tf.distribute.experimental.ParameterServerStrategy(
+            testutil.cluster(2, 1)
+        )
+        with plain.scope():
+            with self.assertRaisesRegex(ValueError, "must be created under"):
+                tf.keras.optimizers.deserialize(config)
+        with testutil.strategy(2, replicas_to_aggregate=2).scope():
+            again = tf.keras.optimizers.deserialize(config)
+        self.assertIsInstance(again, tf2sync.SyncOptimizer)
+        self.assertEqual(
+            again.get_config()["optimizer"]["config"],
+            config["config"]["optimizer"]["config"],
+        )
+        self.assertEqual(again.get_config()["ema_decay"], 0.9)
+
     def test_not_an_optimizer(self):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         with strategy.scope():

@@ -6,6 +6,7 @@ cluster shape once and every test builds a fresh strategy on it.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -155,6 +156,51 @@ model = tf.keras.models.load_model(sys.argv[1], compile=False)
 x = np.load(sys.argv[2])
 np.save(sys.argv[3], model.predict(x, verbose=0))
 """
+
+
+_LOAD_AND_TRAIN = """
+import json, os, sys
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+import numpy as np
+import tensorflow as tf
+assert "tf2sync" not in sys.modules
+x, y = np.load(sys.argv[2] + "/x.npy"), np.load(sys.argv[2] + "/y.npy")
+out = {}
+for path in sys.argv[1].split(","):
+    model = tf.keras.models.load_model(path)  # compiled, with its optimizer
+    before = model.predict(x, verbose=0)
+    model.fit(x, y, batch_size=len(x), epochs=2, verbose=0)
+    out[path] = {
+        "optimizer": type(model.optimizer).__name__,
+        "predict": before.astype("float64").tolist(),
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "moved": float(np.abs(model.predict(x, verbose=0) - before).max()),
+    }
+json.dump(out, open(sys.argv[2] + "/out.json", "w"))
+"""
+
+
+def load_and_train_in_plain_process(test, paths, x, y):
+    """`load_model(path)` (compiled), `predict(x)`, then 2 steps of `fit` on
+    `(x, y)`, in a new process that does not import tf2sync itself.
+
+    Returns `{path: {"optimizer": class name, "predict": ..., "iterations":
+    after the fit, "moved": max change of the predictions}}`; fails `test`
+    with the process's stderr if it exits non-0.
+    """
+    directory = tempfile.mkdtemp()
+    np.save(directory + "/x.npy", x)
+    np.save(directory + "/y.npy", y)
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_TRAIN, ",".join(paths), directory],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        timeout=180,
+    )
+    test.assertEqual(out.returncode, 0, out.stderr[-3000:])
+    with open(directory + "/out.json") as f:
+        return json.load(f)
 
 
 def predict_in_plain_process(test, path, x):

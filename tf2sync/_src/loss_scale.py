@@ -104,6 +104,45 @@ class SyncLossScaleOptimizer(tf_internals.LegacyLossScaleOptimizer):
             aggregator.on_nonfinite.append(lambda: _halve(state))
             aggregator.after_apply.append(lambda: _count_good_step(state))
 
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Rebuilds it, or a tf_keras `LossScaleOptimizer` outside PSS.
+
+        Where no parameter server strategy is current, the `SyncOptimizer`
+        inside loads as its inner optimizer alone (see
+        `SyncOptimizer.from_config`), wrapped in tf_keras's own loss-scale
+        optimizer of its family, with the same settings.
+        """
+        from tf2sync._src import optimizer as optimizer_lib
+        from tf2sync._src import strategy as strategy_lib
+
+        config = dict(config)
+        # The SyncOptimizer's own config: deserializing it by class would
+        # make a loss-scale optimizer of it under a float16 policy.
+        sync_config = dict(config.pop("inner_optimizer")["config"])
+        inner = tf_keras.optimizers.deserialize(
+            sync_config.pop("optimizer"), custom_objects=custom_objects
+        )
+        if not optimizer_lib.outside_parameter_servers():
+            # Refused under a plain PSS, as SyncOptimizer(...) is there.
+            if not isinstance(
+                tf.distribute.get_strategy(),
+                strategy_lib.SyncParameterServerStrategy,
+            ):
+                return optimizer_lib.SyncOptimizer(inner, **sync_config)
+            scaled = tf_keras.mixed_precision.LossScaleOptimizer(
+                inner, **config
+            )
+            return optimizer_lib.SyncOptimizer(scaled, **sync_config)
+        optimizer_lib.warn_loaded_alone(sync_config.get("name"), inner)
+        scaled = tf_keras.mixed_precision.LossScaleOptimizer(inner, **config)
+        if not isinstance(inner, tf_keras.optimizers.legacy.Optimizer):
+            # tf_keras's new-family one has no name, and its
+            # load_own_variables names it when the file holds no optimizer
+            # state (a SyncOptimizer's holds none).
+            scaled.name = inner.name
+        return scaled
+
     def __dir__(self):
         # Its checkpoint node is the SyncOptimizer's, whose inner optimizer
         # (a child) saves the slots.

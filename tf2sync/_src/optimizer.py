@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 import tf_keras
+from absl import logging
 
 from tf2sync._src import aggregation
 from tf2sync._src import ema
@@ -199,10 +200,23 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        """Rebuilds the wrapper, or its inner optimizer outside PSS.
+
+        A model saved with its optimizer (`.keras`, SavedModel, h5) loads
+        with a `SyncOptimizer` under a `SyncParameterServerStrategy` scope.
+        Loaded where no parameter server strategy is current (a process that
+        evaluates, predicts or exports), it gets the inner optimizer alone
+        (a warning says so): there is no ps to aggregate on, and one process
+        trains synchronously with it. Under a plain `ParameterServerStrategy`
+        it is refused, as `SyncOptimizer(...)` is there.
+        """
         config = dict(config)
         inner = tf_keras.optimizers.deserialize(
             config.pop("optimizer"), custom_objects=custom_objects
         )
+        if outside_parameter_servers():
+            warn_loaded_alone(config.get("name"), inner)
+            return inner
         return cls(inner, **config)
 
     # Synchronous state ----------------------------------------------------
@@ -406,3 +420,22 @@ def _sum_local(strategy, value):
             parts[0].dense_shape,
         )
     return tf.add_n(parts)
+
+
+def outside_parameter_servers() -> bool:
+    """True where no `ParameterServerStrategy` (sync or not) is current."""
+    return not isinstance(
+        tf.distribute.get_strategy(),
+        tf.distribute.experimental.ParameterServerStrategy,
+    )
+
+
+def warn_loaded_alone(name, optimizer) -> None:
+    """Says a saved `SyncOptimizer` loaded as its inner `optimizer` alone."""
+    logging.warning(
+        "Loaded %s outside a SyncParameterServerStrategy scope as its inner "
+        "%s, which is not synchronous. Load under `strategy.scope()` to train "
+        "on the cluster.",
+        name or "SyncOptimizer",
+        type(optimizer).__name__,
+    )
