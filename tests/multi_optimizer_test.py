@@ -311,5 +311,105 @@ class GroupStateTest(absltest.TestCase):
         self.assertEqual(int(multi.iterations.numpy()), 3)
 
 
+class SavingTest(absltest.TestCase):
+    def _model_and_groups(self):
+        """Two same-name towers and a head: one group of each form."""
+        model, a, b = _two_towers()
+        x = tf.keras.Input((4,))
+        model = tf.keras.Model(
+            x, tf.keras.layers.Dense(2, name="head")(model(x))
+        )
+        b_kernel = b.trainable_weights[0]
+        multi = tf2sync.MultiOptimizer(
+            [(tf.keras.optimizers.SGD(0.1, momentum=0.9), a)],
+            groups={
+                "head": tf.keras.optimizers.Adam(0.01),
+                (lambda v: v is b_kernel): tf.keras.optimizers.SGD(0.2),
+            },
+            default=tf.keras.optimizers.legacy.Adagrad(0.3),
+        )
+        return model, multi
+
+    def _fit(self, model, steps):
+        x, y = testutil.data("dense", 16)
+        y = np.stack([y, y], axis=1).astype("float32")
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=1, steps_per_epoch=2 * steps, verbose=0)
+        return x, y
+
+    @staticmethod
+    def _groups_by_position(multi, model):
+        index = {
+            id(v): i
+            for i, variables in multi.route(model.trainable_variables).items()
+            for v in variables
+        }
+        return [index[id(v)] for v in model.trainable_variables]
+
+    def test_every_group_form_routes_the_same_variables_after_a_load(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model, multi = self._model_and_groups()
+            model.compile(optimizer=tf2sync.SyncOptimizer(multi), loss="mse")
+        x, y = self._fit(model, 2)
+        expected = self._groups_by_position(multi, model)
+        # Tower a's variables, b's kernel, b's bias (default), the head.
+        self.assertEqual(expected, [0, 0, 2, 3, 1, 1])
+        directory = tempfile.mkdtemp()
+        paths = [directory + "/model.keras", directory + "/savedmodel"]
+        for path in paths:
+            model.save(path)
+            with testutil.strategy(2, replicas_to_aggregate=2).scope():
+                loaded = tf.keras.models.load_model(path)
+            loaded_multi = loaded.optimizer.inner_optimizer
+            self.assertIsInstance(loaded_multi, tf2sync.MultiOptimizer)
+            self.assertEqual(
+                [type(o).__name__ for o in loaded_multi.optimizers],
+                ["SGD", "Adam", "SGD", "Adagrad"],
+            )
+            self.assertEqual(
+                [float(o.learning_rate) for o in loaded_multi.optimizers],
+                [float(o.learning_rate) for o in multi.optimizers],
+            )
+            self._fit(loaded, 1)
+            self.assertEqual(
+                self._groups_by_position(loaded_multi, loaded), expected
+            )
+            self.assertEqual(int(loaded_multi.iterations.numpy()), 1)
+        # Where no cluster is: the router alone, single-process.
+        got = testutil.load_and_train_in_plain_process(self, paths, x, y)
+        for path in paths:
+            self.assertEqual(got[path]["optimizer"], "MultiOptimizer", path)
+            self.assertGreater(got[path]["moved"], 0, path)
+
+    def test_a_layer_group_saved_before_the_build_is_refused_by_name(self):
+        _, multi = self._model_and_groups()
+        with self.assertRaisesRegex(
+            ValueError,
+            r"MultiOptimizer 'MultiOptimizer': group 0 \(layers or a "
+            r"callable\) was saved before the optimizer was built",
+        ):
+            tf2sync.MultiOptimizer.from_config(multi.get_config())
+        # A built one's config rebuilds it, and again after a load.
+        model, multi = self._model_and_groups()
+        multi.build(model.trainable_variables)
+        again = tf2sync.MultiOptimizer.from_config(multi.get_config())
+        self.assertEqual(
+            self._groups_by_position(again, model),
+            self._groups_by_position(multi, model),
+        )
+        twice = tf2sync.MultiOptimizer.from_config(again.get_config())
+        self.assertEqual(
+            self._groups_by_position(twice, model),
+            self._groups_by_position(multi, model),
+        )
+        with self.assertRaisesRegex(
+            ValueError,
+            r"group 0 \(saved variables \[0, 1\] of 6\) was saved routing "
+            r"a model of 6 trainable variables; this one has 4",
+        ):
+            twice.route(testutil.dense_model().trainable_variables)
+
+
 if __name__ == "__main__":
     absltest.main()

@@ -359,6 +359,26 @@ class EverywhereTest(parameterized.TestCase):
             1e-5,
         )
 
+        # Saved with a model, it routes by rank, a sharded table counting
+        # once: the same groups over 3 shards and in the unsharded model.
+        def groups_of(router, variables):
+            index = {
+                id(v): i
+                for i, vs in router.route(variables).items()
+                for v in vs
+            }
+            return [index[id(v)] for v in variables]
+
+        loaded = tf2sync.MultiOptimizer.from_config(multi.get_config())
+        self.assertEqual(
+            groups_of(loaded, model.trainable_variables),
+            groups_of(multi, model.trainable_variables),
+        )
+        self.assertEqual(
+            groups_of(loaded, ref.trainable_variables),
+            groups_of(ref_opt, ref.trainable_variables),
+        )
+
     def test_ema_shadows_each_shard_beside_it(self):
         sync = strategy(2)
         with sync.scope():

@@ -28,6 +28,33 @@ def _variables_of(target):
     )
 
 
+def _positions(var_list) -> tuple[dict, int]:
+    """`({id(var): i}, n)`: each variable's rank among the `n` distinct
+    variables of `var_list`, the shards of one sharded variable counting as
+    one (so a model loaded with other shards, or none, ranks the same)."""
+    ranks = {}
+    owners = {}
+    for var in var_list:
+        owner = tf_internals.sharded_container(var)
+        owner = id(var if owner is None else owner)
+        ranks[id(var)] = owners.setdefault(owner, len(owners))
+    return ranks, len(owners)
+
+
+class _SavedGroup:
+    """A loaded group: the ranks of the variables it got at its build."""
+
+    def __init__(self, positions, num_variables, pattern=None):
+        self.positions = sorted(int(p) for p in positions)
+        self.num_variables = int(num_variables)
+        self.pattern = pattern
+
+    def __repr__(self):
+        what = f"regex {self.pattern!r} as " if self.pattern else ""
+        return f"{what}variables {self.positions} of {self.num_variables}"
+
+
+@tf_keras.utils.register_keras_serializable(package="tf2sync")
 class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
     """Routes each variable to exactly one optimizer.
 
@@ -49,6 +76,14 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
     gradients of all groups are aggregated together, then each group applies
     its share of the mean. Group learning rates stay settable between steps
     (`multi.optimizers[i].learning_rate = ...`).
+
+    Saved with a model once built (`get_config`), each group keeps the
+    ranks of the variables it got in the list it was built with (a model's
+    `trainable_variables`; a sharded variable counts once): loaded, it
+    routes the variables of the same ranks, in a model with as many (a
+    loaded model's variables lose their layer names, so a pattern would
+    not find them). Saved before its build, a regex group keeps its
+    pattern, and a layer or callable group cannot be loaded.
     """
 
     def __init__(
@@ -77,6 +112,8 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
             specs.append(("layers", target, optimizer))
         for key, optimizer in (groups or {}).items():
             kind = "regex" if isinstance(key, str) else "callable"
+            if isinstance(key, _SavedGroup):
+                kind = "saved"
             if kind == "callable" and not callable(key):
                 raise TypeError(
                     "`groups` keys must be regex strings or callables. "
@@ -101,6 +138,7 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
         for i, optimizer in enumerate(self.optimizers):
             tf_internals.track_child(self, optimizer, f"group_{i}")
         self._routes = None
+        self._built = None  # ({group: variable ranks}, count) once built
         _ = self.iterations  # The global step: created now, eagerly.
 
     def _describe(self, index):
@@ -114,8 +152,19 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
     def route(self, var_list):
         """Returns `{group_index: [variables]}`; raises on 0 or 2+ matches."""
         members = []
-        for kind, key, _ in self._specs:
-            if kind == "layers":
+        ranks, count = _positions(var_list)
+        for index, (kind, key, _) in enumerate(self._specs):
+            if kind == "saved":
+                if key.num_variables != count:
+                    raise ValueError(
+                        f"{self._describe(index)} was saved routing a model "
+                        f"of {key.num_variables} trainable variables; this "
+                        f"one has {count}. Compile it with a new "
+                        "MultiOptimizer."
+                    )
+                positions = set(key.positions)
+                members.append(lambda v, p=positions: ranks[id(v)] in p)
+            elif kind == "layers":
                 ids = {id(v) for v in _variables_of(key)}
                 members.append(lambda v, ids=ids: id(v) in ids)
             elif kind == "regex":
@@ -156,6 +205,14 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
         self._routes = {
             id(v): i for i, variables in routes.items() for v in variables
         }
+        ranks, count = _positions(var_list)
+        self._built = (
+            {
+                i: sorted({ranks[id(v)] for v in variables})
+                for i, variables in routes.items()
+            },
+            count,
+        )
         for i, variables in routes.items():
             keras_compat.build(self.optimizers[i], variables)
 
@@ -200,6 +257,71 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
         return out
 
     def get_config(self):
-        # Groups hold live layers and callables: only the name serializes.
-        # Checkpoints (tf.train.Checkpoint) save every group's slots.
-        return {"name": self._name}
+        # Layer and callable groups are live objects, and a loaded model's
+        # variables have other names (`kernel:0`): once built, every group
+        # is saved as the ranks of the variables it got.
+        built = self._built
+        if built is None and self._specs and self._specs[0][0] == "saved":
+            saved = self._specs[0][1]
+            built = (
+                {i: k.positions for i, (_, k, _) in enumerate(self._specs)},
+                saved.num_variables,
+            )
+        groups = []
+        for index, (kind, key, optimizer) in enumerate(self._specs):
+            group = {"optimizer": tf_keras.optimizers.serialize(optimizer)}
+            if kind == "regex" or getattr(key, "pattern", None):
+                group["pattern"] = getattr(key, "pattern", key)
+            group["variables"] = None if built is None else built[0][index]
+            groups.append(group)
+        default = self._default
+        return {
+            "name": self._name,
+            "groups": groups,
+            "default": default and tf_keras.optimizers.serialize(default),
+            "num_variables": None if built is None else built[1],
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Rebuilds the router saved by `get_config` (see the class doc).
+
+        Raises:
+          ValueError: If a layer or callable group was saved before the
+            optimizer was built (nothing says which variables are its), or
+            the config has no groups (saved by an earlier tf2sync).
+        """
+
+        def load(optimizer):
+            return tf_keras.optimizers.deserialize(
+                optimizer, custom_objects=custom_objects
+            )
+
+        if "groups" not in config:
+            raise ValueError(
+                f"MultiOptimizer {config.get('name')!r} was saved without its "
+                "groups: load the model with compile=False and compile it "
+                "with a new MultiOptimizer."
+            )
+        count = config.get("num_variables")
+        groups = {}
+        for index, group in enumerate(config["groups"]):
+            pattern = group.get("pattern")
+            if count is not None:
+                key = _SavedGroup(group["variables"], count, pattern)
+            elif pattern is not None:
+                key = pattern
+            else:
+                raise ValueError(
+                    f"MultiOptimizer {config['name']!r}: group {index} (layers "
+                    "or a callable) was saved before the optimizer was built, "
+                    "so its variables are unknown. Load the model with "
+                    "compile=False and compile it with a new MultiOptimizer."
+                )
+            groups[key] = load(group["optimizer"])
+        default = config.get("default")
+        return cls(
+            groups=groups,
+            default=load(default) if default else None,
+            name=config["name"],
+        )
