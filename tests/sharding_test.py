@@ -691,6 +691,15 @@ class ExportTest(absltest.TestCase):
                 rtol=1e-5,
                 atol=1e-6,
             )
+        # For serving: tf.saved_model.save's signature reads whole tables.
+        path = os.path.join(directory, "serving")
+        tf.saved_model.save(model, path)
+        np.testing.assert_allclose(
+            testutil.serve_in_plain_process(self, path, x),
+            expected,
+            rtol=1e-5,
+            atol=1e-6,
+        )
         # With it, compiled: the inner optimizer trains the whole tables.
         _, y = testutil.data("sparse", 16)
         got = testutil.load_and_train_in_plain_process(self, paths, x, y)

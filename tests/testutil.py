@@ -203,6 +203,40 @@ def load_and_train_in_plain_process(test, paths, x, y):
         return json.load(f)
 
 
+_SERVE = """
+import sys
+import numpy as np
+import tensorflow as tf
+assert "tf2sync" not in sys.modules
+serve = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
+(out,) = serve(tf.constant(np.load(sys.argv[2]))).values()
+np.save(sys.argv[3], out.numpy())
+"""
+
+
+def serve_in_plain_process(test, path, x):
+    """A SavedModel's `serving_default` signature on `x`, called in a new
+    process that imports neither tf2sync nor Keras itself."""
+    directory = tempfile.mkdtemp()
+    np.save(directory + "/x.npy", x)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _SERVE,
+            path,
+            directory + "/x.npy",
+            directory + "/out.npy",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        timeout=120,
+    )
+    test.assertEqual(out.returncode, 0, out.stderr[-2000:])
+    return np.load(directory + "/out.npy")
+
+
 def predict_in_plain_process(test, path, x):
     """`load_model(path, compile=False).predict(x)` in a new process that
     never imports tf2sync; fails `test` with its stderr if it exits non-0."""
