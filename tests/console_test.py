@@ -106,6 +106,7 @@ class LocalModeTest(parameterized.TestCase):
             ["python3", "-u", "-mtf2sync"],
             ["python3", "-um", "tf2sync"],
             ["python3", "-Imtf2sync", "--epochs=2"],
+            ["python3", "-Rm", "tf2sync"],
         ):
             self.assertTrue(console.is_launcher(["-m"], orig), orig)
         for orig in (

@@ -80,6 +80,25 @@ class RoutingTest(absltest.TestCase):
         self.assertLen(routes[0], 2)
         self.assertLen(routes[1], 2)
 
+    def test_a_plain_apply_routes_every_variable_given(self):
+        # What get_config saves: the biases get no gradient here, yet a
+        # model loaded with this optimizer has them.
+        model = testutil.dense_model()
+        variables = model.trainable_variables
+        multi = tf2sync.MultiOptimizer(
+            groups={"kernel": tf.keras.optimizers.SGD(0.1)},
+            default=tf.keras.optimizers.SGD(0.2),
+        )
+        grads = [
+            tf.ones_like(v) if "kernel" in v.name else None for v in variables
+        ]
+        multi.apply_gradients(zip(grads, variables))
+        self.assertEqual(multi.get_config()["num_variables"], 4)
+        self.assertEqual(multi.get_config()["groups"][0]["variables"], [0, 2])
+        # A layer frozen since: routed again over what is given.
+        multi.apply_gradients(zip(grads[2:], variables[2:]))
+        self.assertEqual(multi.get_config()["num_variables"], 2)
+
     def test_not_an_optimizer(self):
         with self.assertRaisesRegex(TypeError, "`group optimizer` must be"):
             tf2sync.MultiOptimizer(groups={"x": "sgd"})

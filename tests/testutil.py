@@ -166,8 +166,12 @@ import tensorflow as tf
 assert "tf2sync" not in sys.modules
 x, y = np.load(sys.argv[2] + "/x.npy"), np.load(sys.argv[2] + "/y.npy")
 out = {}
-for path in sys.argv[1].split(","):
+paths = sys.argv[1].split(",")
+assert paths[0].endswith(".keras"), paths
+for path in paths:
     model = tf.keras.models.load_model(path)  # compiled, with its optimizer
+    # A .keras file names tf2sync's module, which Keras imports.
+    assert "tf2sync" in sys.modules
     before = model.predict(x, verbose=0)
     model.fit(x, y, batch_size=len(x), epochs=2, verbose=0)
     out[path] = {
@@ -183,6 +187,10 @@ json.dump(out, open(sys.argv[2] + "/out.json", "w"))
 def load_and_train_in_plain_process(test, paths, x, y):
     """`load_model(path)` (compiled), `predict(x)`, then 2 steps of `fit` on
     `(x, y)`, in a new process that does not import tf2sync itself.
+
+    `paths[0]` must be a `.keras` file: loading it imports tf2sync (checked),
+    which an h5 file or a SavedModel after it needs (as `import tf2sync`
+    would: their configs name tf2sync's classes but not its module).
 
     Returns `{path: {"optimizer": class name, "predict": ..., "iterations":
     after the fit, "moved": max change of the predictions}}`; fails `test`

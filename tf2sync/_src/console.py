@@ -254,7 +254,7 @@ def is_launcher(argv=None, orig_argv=None) -> bool:
 
 
 # Python's flags that take no value, grouped before `m` (`python -Im x`).
-_DASH_M = re.compile(r"^-[bBdEiIOPqsSuvx]*m(.*)$")
+_DASH_M = re.compile(r"^-[bBdEiIOPqRsSuvx]*m(.*)$")
 
 
 def setup_launcher(argv) -> str | None:

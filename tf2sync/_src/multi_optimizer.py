@@ -242,6 +242,15 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
     def apply_gradients(self, grads_and_vars, name=None, **kwargs):
         """Single-process apply: each group's optimizer, then one step."""
         del name, kwargs
+        grads_and_vars = list(grads_and_vars)
+        # Routed over every variable given, a gradient or not (what
+        # `get_config` saves), again when they change (a layer frozen).
+        var_list = [v for _, v in grads_and_vars]
+        if self._routes is None or set(self._routes) != {
+            id(v) for v in var_list
+        }:
+            with tf.init_scope():
+                self.build(var_list)
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
         ops = [
             self.optimizers[i].apply_gradients(gv)
