@@ -113,9 +113,13 @@ class SyncLossScaleOptimizer(tf_internals.LegacyLossScaleOptimizer):
         `SyncOptimizer.from_config`), wrapped in tf_keras's own loss-scale
         optimizer of its family, with the same settings.
         """
-        from tf2sync._src import optimizer as optimizer_lib
         from tf2sync._src import strategy as strategy_lib
 
+        # The SyncOptimizer class, by its registered name: optimizer.py,
+        # which defines it, imports this module.
+        sync_class = tf_keras.utils.get_registered_object(
+            "tf2sync>SyncOptimizer"
+        )
         config = dict(config)
         # The SyncOptimizer's own config: deserializing it by class would
         # make a loss-scale optimizer of it under a float16 policy.
@@ -123,18 +127,18 @@ class SyncLossScaleOptimizer(tf_internals.LegacyLossScaleOptimizer):
         inner = tf_keras.optimizers.deserialize(
             sync_config.pop("optimizer"), custom_objects=custom_objects
         )
-        if not optimizer_lib.outside_parameter_servers():
+        if not strategy_lib.outside_parameter_servers():
             # Refused under a plain PSS, as SyncOptimizer(...) is there.
             if not isinstance(
                 tf.distribute.get_strategy(),
                 strategy_lib.SyncParameterServerStrategy,
             ):
-                return optimizer_lib.SyncOptimizer(inner, **sync_config)
+                return sync_class(inner, **sync_config)
             scaled = tf_keras.mixed_precision.LossScaleOptimizer(
                 inner, **config
             )
-            return optimizer_lib.SyncOptimizer(scaled, **sync_config)
-        optimizer_lib.warn_loaded_alone(sync_config.get("name"), inner)
+            return sync_class(scaled, **sync_config)
+        strategy_lib.warn_loaded_alone(sync_config.get("name"), inner)
         scaled = tf_keras.mixed_precision.LossScaleOptimizer(inner, **config)
         if not isinstance(inner, tf_keras.optimizers.legacy.Optimizer):
             # tf_keras's new-family one has no name, and its

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import tensorflow as tf
 import tf_keras
-from absl import logging
 
 from tf2sync._src import aggregation
 from tf2sync._src import ema
@@ -214,8 +213,8 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         inner = tf_keras.optimizers.deserialize(
             config.pop("optimizer"), custom_objects=custom_objects
         )
-        if outside_parameter_servers():
-            warn_loaded_alone(config.get("name"), inner)
+        if strategy_lib.outside_parameter_servers():
+            strategy_lib.warn_loaded_alone(config.get("name"), inner)
             return inner
         return cls(inner, **config)
 
@@ -420,22 +419,3 @@ def _sum_local(strategy, value):
             parts[0].dense_shape,
         )
     return tf.add_n(parts)
-
-
-def outside_parameter_servers() -> bool:
-    """True where no `ParameterServerStrategy` (sync or not) is current."""
-    return not isinstance(
-        tf.distribute.get_strategy(),
-        tf.distribute.experimental.ParameterServerStrategy,
-    )
-
-
-def warn_loaded_alone(name, optimizer) -> None:
-    """Says a saved `SyncOptimizer` loaded as its inner `optimizer` alone."""
-    logging.warning(
-        "Loaded %s outside a SyncParameterServerStrategy scope as its inner "
-        "%s, which is not synchronous. Load under `strategy.scope()` to train "
-        "on the cluster.",
-        name or "SyncOptimizer",
-        type(optimizer).__name__,
-    )

@@ -435,3 +435,22 @@ def _fit_metrics(stats, num_workers):
         metrics[f"accepted_w{i}"] = counts[3 + i]
         metrics[f"stale_w{i}"] = counts[3 + num_workers + i]
     return metrics
+
+
+def outside_parameter_servers() -> bool:
+    """True where no `ParameterServerStrategy` (sync or not) is current."""
+    return not isinstance(
+        tf.distribute.get_strategy(),
+        tf.distribute.experimental.ParameterServerStrategy,
+    )
+
+
+def warn_loaded_alone(name, optimizer) -> None:
+    """Says a saved `SyncOptimizer` loaded as its inner `optimizer` alone."""
+    logging.warning(
+        "Loaded %s outside a SyncParameterServerStrategy scope as its inner "
+        "%s, which is not synchronous. Load under `strategy.scope()` to train "
+        "on the cluster.",
+        name or "SyncOptimizer",
+        type(optimizer).__name__,
+    )
