@@ -222,16 +222,15 @@ np.save(sys.argv[3], out.numpy())
 """
 
 
-def serve_in_plain_process(test, path, x):
-    """A SavedModel's `serving_default` signature on `x`, called in a new
-    process that imports neither tf2sync nor Keras itself."""
+def _on_x_in_new_process(test, script, path, x):
+    """Runs `script PATH X.npy OUT.npy` in a new process; returns OUT."""
     directory = tempfile.mkdtemp()
     np.save(directory + "/x.npy", x)
     out = subprocess.run(
         [
             sys.executable,
             "-c",
-            _SERVE,
+            script,
             path,
             directory + "/x.npy",
             directory + "/out.npy",
@@ -243,26 +242,15 @@ def serve_in_plain_process(test, path, x):
     )
     test.assertEqual(out.returncode, 0, out.stderr[-2000:])
     return np.load(directory + "/out.npy")
+
+
+def serve_in_plain_process(test, path, x):
+    """A SavedModel's `serving_default` signature on `x`, called in a new
+    process that imports neither tf2sync nor Keras itself."""
+    return _on_x_in_new_process(test, _SERVE, path, x)
 
 
 def predict_in_plain_process(test, path, x):
     """`load_model(path, compile=False).predict(x)` in a new process that
     never imports tf2sync; fails `test` with its stderr if it exits non-0."""
-    directory = tempfile.mkdtemp()
-    np.save(directory + "/x.npy", x)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _PREDICT,
-            path,
-            directory + "/x.npy",
-            directory + "/out.npy",
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-        timeout=120,
-    )
-    test.assertEqual(out.returncode, 0, out.stderr[-2000:])
-    return np.load(directory + "/out.npy")
+    return _on_x_in_new_process(test, _PREDICT, path, x)
