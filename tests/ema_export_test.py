@@ -156,11 +156,7 @@ class ExportTest(parameterized.TestCase):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         with strategy.scope():
             model = testutil.dense_model()
-            inner = (
-                tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9)
-                if legacy
-                else tf.keras.optimizers.Adam(0.01)
-            )
+            inner = testutil.momentum_or_adam(legacy)
             model.compile(
                 optimizer=tf2sync.SyncOptimizer(inner, ema_decay=0.5),
                 loss=testutil.LOSS,

@@ -232,11 +232,7 @@ class MixedPrecisionTest(parameterized.TestCase):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         with strategy.scope():
             model = self._model()
-            inner = (
-                tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9)
-                if legacy
-                else tf.keras.optimizers.Adam(0.01)
-            )
+            inner = testutil.momentum_or_adam(legacy)
             model.compile(
                 optimizer=tf2sync.SyncOptimizer(
                     tf.keras.mixed_precision.LossScaleOptimizer(

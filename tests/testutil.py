@@ -64,6 +64,13 @@ def sparse_model(seed=0, vocab=50):
     )
 
 
+def momentum_or_adam(legacy):
+    """Legacy momentum SGD (slots by `get_slot`) or new-family Adam."""
+    if legacy:
+        return tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9)
+    return tf.keras.optimizers.Adam(0.01)
+
+
 def data(kind, n, seed=0, vocab=50):
     rng = np.random.RandomState(seed)
     if kind == "dense":

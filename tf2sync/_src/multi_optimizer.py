@@ -138,7 +138,14 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
         for i, optimizer in enumerate(self.optimizers):
             tf_internals.track_child(self, optimizer, f"group_{i}")
         self._routes = None
-        self._built = None  # ({group: variable ranks}, count) once built
+        # ({group: variable ranks}, count): what get_config saves. A loaded
+        # router has it from its saved groups until it is built again.
+        self._built = None
+        if specs and all(kind == "saved" for kind, _, _ in specs):
+            self._built = (
+                {i: key.positions for i, (_, key, _) in enumerate(specs)},
+                specs[0][1].num_variables,
+            )
         _ = self.iterations  # The global step: created now, eagerly.
 
     def _describe(self, index):
@@ -216,12 +223,17 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
         for i, variables in routes.items():
             keras_compat.build(self.optimizers[i], variables)
 
-    def _split(self, grads_and_vars):
-        if self._routes is None or any(
-            id(v) not in self._routes for _, v in grads_and_vars
-        ):
+    def _ensure_built(self, var_list, exact=False):
+        """Builds over `var_list` unless already routed: every one of them
+        (`exact`: those and no others)."""
+        ids = {id(v) for v in var_list}
+        routed = set(self._routes or ())
+        if self._routes is None or (ids != routed if exact else ids - routed):
             with tf.init_scope():
-                self.build([v for _, v in grads_and_vars])
+                self.build(var_list)
+
+    def _split(self, grads_and_vars):
+        self._ensure_built([v for _, v in grads_and_vars])
         parts = {}
         for g, v in grads_and_vars:
             parts.setdefault(self._routes[id(v)], []).append((g, v))
@@ -245,12 +257,7 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
         grads_and_vars = list(grads_and_vars)
         # Routed over every variable given, a gradient or not (what
         # `get_config` saves), again when they change (a layer frozen).
-        var_list = [v for _, v in grads_and_vars]
-        if self._routes is None or set(self._routes) != {
-            id(v) for v in var_list
-        }:
-            with tf.init_scope():
-                self.build(var_list)
+        self._ensure_built([v for _, v in grads_and_vars], exact=True)
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
         ops = [
             self.optimizers[i].apply_gradients(gv)
@@ -270,12 +277,6 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
         # variables have other names (`kernel:0`): once built, every group
         # is saved as the ranks of the variables it got.
         built = self._built
-        if built is None and self._specs and self._specs[0][0] == "saved":
-            saved = self._specs[0][1]
-            built = (
-                {i: k.positions for i, (_, k, _) in enumerate(self._specs)},
-                saved.num_variables,
-            )
         groups = []
         for index, (kind, key, optimizer) in enumerate(self._specs):
             group = {"optimizer": tf_keras.optimizers.serialize(optimizer)}
