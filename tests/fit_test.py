@@ -463,6 +463,25 @@ class FitTest(parameterized.TestCase):
         self.assertAlmostEqual(accuracy, float(np.mean(pred == y)), places=5)
         self.assertEqual(int(optimizer.iterations.numpy()), 4)
 
+    def test_arrays_train_more_steps_than_their_passes_hold(self):
+        # tf_keras makes arrays a dataset of `epochs` passes (here 2 of one
+        # full batch), which each worker iterates as its own copy: 8 pushes
+        # need about 4 batches per worker, and a worker ran out at its
+        # third ("End of sequence", then a CancelledError from fit).
+        opt_fn = lambda: tf.keras.optimizers.SGD(0.05)  # noqa: E731
+        model = _compiled()
+        x, y, _ = _full_batches()
+        model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=4, verbose=0)
+        optimizer = model.optimizer
+        self.assertEqual(int(optimizer.gradients_accepted.numpy()), 8)
+        self.assertEqual(int(optimizer.iterations.numpy()), 4)
+        # Every batch is the full batch: 4 full-batch steps.
+        expected = _reference(x, y, 4, opt_fn)
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), expected.get_weights()),
+            1e-5,
+        )
+
     def test_validation_data_it_would_refuse_is_refused_before_training(self):
         # Refused at the first validation, after an epoch had trained, the
         # refusal now comes before any step, naming validation_steps.

@@ -89,6 +89,7 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         if model is not None:
             _check_not_jit_compiled(model)
             _check_validation_input(model)
+            _repeat_training_arrays(model, handler)
             unrolled_fit.steps_per_execution_on_coordinator(model, handler)
             # fit makes its train function next: repeat its steps.
             unrolled_fit.repeat_by_default(model)
@@ -379,6 +380,25 @@ def _check_validation_input(model):
             f"worker reads its own copy, once. {received}, "
             "validation_steps=None"
         )
+
+
+def _repeat_training_arrays(model, handler) -> None:
+    """Lets `fit(x, y, steps_per_epoch=...)` of arrays train its steps.
+
+    tf_keras turns arrays into a dataset of `epochs` passes, which each
+    worker iterates as its own copy: once a worker had run more batches
+    than that (more steps than one pass per epoch, shared among the
+    workers as they come), its step failed with `End of sequence` and
+    `fit` with an opaque CancelledError, stock PSS's too. Under tf2sync
+    each worker starts another pass of its copy instead. The data a
+    validation or `evaluate` reads is left as it is: reading more than
+    one pass there would count batches twice.
+    """
+    creator = tf_internals.data_handler_dataset_creator(handler)
+    if tf_internals.keras_input_role(
+        model
+    ) == "fit" and tf_internals.is_keras_arrays_creator(creator):
+        tf_internals.repeat_keras_arrays(creator)
 
 
 def _check_not_jit_compiled(model):

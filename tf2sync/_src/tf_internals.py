@@ -859,6 +859,34 @@ def data_handler_dataset_creator(handler):
     return getattr(adapter, "dataset_creator", None)
 
 
+def is_keras_arrays_creator(creator) -> bool:
+    """Whether `creator` is the `DatasetCreator` tf_keras's coordinator data
+    handler made of tensors, NumPy arrays or pandas objects
+    (`_convert_to_dataset_creator`'s `_dataset_fn`) [2.21] [2.15]."""
+    fn = getattr(creator, "dataset_fn", None)
+    return getattr(fn, "__qualname__", "").startswith(
+        "_ClusterCoordinatorDataHandler._convert_to_dataset_creator."
+    )
+
+
+def repeat_keras_arrays(creator) -> None:
+    """Makes `creator` (`is_keras_arrays_creator`) repeat its dataset.
+
+    tf_keras's adapter makes `epochs` passes over the arrays, each
+    shuffled as `fit`'s `shuffle` says; under PSS each worker iterates its
+    own copy with one iterator for the whole `fit`, so a worker that runs
+    more batches than those passes hold fails its step. Repeated, each
+    worker starts another pass instead. Its `dataset_fn` is replaced.
+    """
+    make = creator.dataset_fn
+
+    def dataset_fn(input_context):
+        return make(input_context).repeat()
+
+    dataset_fn.__qualname__ = make.__qualname__  # still recognised
+    creator.dataset_fn = dataset_fn
+
+
 def new_iterator_each_epoch(handler) -> None:
     """Makes a data handler create its iterator again at each epoch.
 
