@@ -326,6 +326,18 @@ class BadInputTest(parameterized.TestCase):
             "file.",
         )
 
+    def test_checkpoint_dir_where_nothing_can_be_made(self):
+        # /proc takes no new entries, whoever asks; os.access tells root it
+        # may write there, so the launcher makes a file to know, where an
+        # epoch used to train before the first save failed.
+        path = "/proc/tf2sync-ckpt"
+        why = " (No such file or directory)" if os.geteuid() == 0 else ""
+        self._check_refused(
+            [f"--checkpoint_dir={path}"],
+            f"--checkpoint_dir={path}: cannot be created: /proc is not "
+            f"writable{why}.",
+        )
+
     def test_checkpoint_dir_not_writable(self):
         prefix = ()
         if os.geteuid() == 0:  # root writes into a 0o500 directory

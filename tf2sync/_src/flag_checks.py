@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 
 from absl import app
 
@@ -100,6 +101,9 @@ def check_checkpoint_dir(
     if os.path.isdir(path):
         if not os.access(path, os.W_OK | os.X_OK):
             _refuse(f"{flag}: the directory is not writable.")
+        why = _cannot_create_in(path)
+        if why:
+            _refuse(f"{flag}: the directory is not writable ({why}).")
         return
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
@@ -108,6 +112,26 @@ def check_checkpoint_dir(
         _refuse(f"{flag}: cannot be created: {parent} is a file.")
     if not os.access(parent, os.W_OK | os.X_OK):
         _refuse(f"{flag}: cannot be created: {parent} is not writable.")
+    why = _cannot_create_in(parent)
+    if why:
+        _refuse(f"{flag}: cannot be created: {parent} is not writable ({why}).")
+
+
+def _cannot_create_in(directory: str) -> str | None:
+    """Why a file cannot be made in `directory` (the OS's words), or None.
+
+    `os.access` answers for the permission bits, and for root nearly always
+    yes: a read-only mount, or a directory such as /proc, refuses only when
+    something is made there. So a file is made and removed, once, at the
+    start, rather than the first save failing after an epoch trained.
+    """
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".tf2sync-probe-")
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    os.unlink(probe)
+    return None
 
 
 def check_job_api(
