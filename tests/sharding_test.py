@@ -319,6 +319,25 @@ class EverywhereTest(parameterized.TestCase):
             testutil.max_abs_diff(full_weights(model), expected), 1e-5
         )
 
+    def test_multi_optimizer_refuses_a_table_split_over_groups(self):
+        # A pattern that matches one shard's name (`.../part_0`) would give
+        # one table two optimizers; refused when the router is built.
+        sync = strategy(3)
+        with sync.scope():
+            model = two_tables_model()
+            multi = tf2sync.MultiOptimizer(
+                groups={"table_a.*part_0": tf.keras.optimizers.Adam(0.01)},
+                default=tf.keras.optimizers.SGD(0.1),
+            )
+            opt = tf2sync.SyncOptimizer(multi)
+            with self.assertRaisesRegex(
+                ValueError,
+                r"The shards of sharded variable table_a/embeddings are "
+                r"routed to several groups: \[\"group 0 \(regex "
+                r"'table_a.\*part_0'\)\", 'default'\]",
+            ):
+                opt.build(model.trainable_variables)
+
     def test_multi_optimizer_routes_shards_by_identity(self):
         sync = strategy(3)
         groups = (

@@ -41,6 +41,30 @@ def _positions(var_list) -> tuple[dict, int]:
     return ranks, len(owners)
 
 
+def _check_shards_together(routes, describe) -> None:
+    """Refuses `routes` (`{group: [variables]}`) that split the shards of
+    one sharded variable over several groups (a pattern matching a shard's
+    `part_<i>`): one table takes one optimizer, and a model saved so would
+    not load (its groups keep whole variables)."""
+    groups_of = {}
+    for index, variables in routes.items():
+        for var in variables:
+            owner = tf_internals.sharded_container(var)
+            if owner is not None:
+                groups_of.setdefault(id(owner), (owner, set()))[1].add(index)
+    for owner, indices in groups_of.values():
+        if len(indices) > 1:
+            # A ShardedVariable's own name is "ShardedVariable"; its shards'
+            # are the table's with "/part_<i>".
+            name = re.sub(r"/part_\d+(:\d+)?$", "", owner.variables[0].name)
+            raise ValueError(
+                f"The shards of sharded variable {name} are routed to "
+                f"several groups: {[describe(i) for i in sorted(indices)]}. "
+                "A sharded variable belongs to one group: match its name "
+                "without the shard's `part_<i>`."
+            )
+
+
 class _SavedGroup:
     """A loaded group: the ranks of the variables it got at its build."""
 
@@ -197,6 +221,7 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
                     )
                 hits = [len(self._specs)]
             routes.setdefault(hits[0], []).append(var)
+        _check_shards_together(routes, self._describe)
         empty = [i for i in range(len(members)) if i not in routes]
         if empty:
             raise ValueError(
