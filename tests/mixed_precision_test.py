@@ -249,7 +249,12 @@ class MixedPrecisionTest(parameterized.TestCase):
             path = os.path.join(directory, path)
             model.save(path)
             with testutil.strategy(2, replicas_to_aggregate=2).scope():
-                loaded = tf.keras.models.load_model(path)
+                with self.assertLogs(level="WARNING") as logs:
+                    loaded = tf.keras.models.load_model(path)
+            self.assertTrue(
+                any("with a fresh state" in line for line in logs.output),
+                logs.output,
+            )
             optimizer = loaded.optimizer
             self.assertIsInstance(
                 optimizer, tf.keras.mixed_precision.LossScaleOptimizer

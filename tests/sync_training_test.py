@@ -692,8 +692,13 @@ class ConfigErrorTest(parameterized.TestCase):
             with self.assertRaisesRegex(ValueError, "must be created under"):
                 tf.keras.optimizers.deserialize(config)
         with testutil.strategy(2, replicas_to_aggregate=2).scope():
-            again = tf.keras.optimizers.deserialize(config)
+            with self.assertLogs(level="WARNING") as logs:
+                again = tf.keras.optimizers.deserialize(config)
         self.assertIsInstance(again, tf2sync.SyncOptimizer)
+        # What load_model does under the strategy: nothing of the saved
+        # state comes back, and the log says so.
+        self.assertIn("with a fresh state", logs.output[0])
+        self.assertEqual(int(again.iterations.numpy()), 0)
         self.assertEqual(
             again.get_config()["optimizer"]["config"],
             config["config"]["optimizer"]["config"],

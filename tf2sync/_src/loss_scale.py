@@ -137,7 +137,9 @@ class SyncLossScaleOptimizer(tf_internals.LegacyLossScaleOptimizer):
             scaled = tf_keras.mixed_precision.LossScaleOptimizer(
                 inner, **config
             )
-            return sync_class(scaled, **sync_config)
+            loaded = sync_class(scaled, **sync_config)
+            strategy_lib.warn_loaded_fresh(sync_config.get("name"))
+            return loaded
         strategy_lib.warn_loaded_alone(sync_config.get("name"), inner)
         scaled = tf_keras.mixed_precision.LossScaleOptimizer(inner, **config)
         if not isinstance(inner, tf_keras.optimizers.legacy.Optimizer):

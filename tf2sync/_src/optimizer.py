@@ -216,7 +216,9 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         if strategy_lib.outside_parameter_servers():
             strategy_lib.warn_loaded_alone(config.get("name"), inner)
             return inner
-        return cls(inner, **config)
+        loaded = cls(inner, **config)
+        strategy_lib.warn_loaded_fresh(config.get("name"))
+        return loaded
 
     # Synchronous state ----------------------------------------------------
 

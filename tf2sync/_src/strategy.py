@@ -454,3 +454,18 @@ def warn_loaded_alone(name, optimizer) -> None:
         name or "SyncOptimizer",
         type(optimizer).__name__,
     )
+
+
+def warn_loaded_fresh(name) -> None:
+    """Says a `SyncOptimizer` rebuilt from its config under the strategy
+    (what `load_model` does) starts with a fresh state: tf_keras's `.keras`
+    files hold no state of a legacy-style optimizer such as this one, and
+    its h5 loading skips it (with a warning of its own)."""
+    logging.warning(
+        "Loaded %s from its saved config with a fresh state: the global step "
+        "starts at 0 and the slots anew (saved model files hold no "
+        "SyncOptimizer state). To resume training, restore a checkpoint "
+        "(save_weights, ModelCheckpoint(save_weights_only=True), Trainer's "
+        "checkpoint_dir).",
+        name or "SyncOptimizer",
+    )
