@@ -395,9 +395,11 @@ class TrainerTest(parameterized.TestCase):
         ("unrolled", False),
         # The default: groups of copies (here 2) in a tf.while_loop.
         ("grouped", None),
+        # Epochs of 6: a loop of 4, then 2 single steps.
+        ("grouped_epochs_short_of_a_loop", None, 6),
     )
     def test_tf1_shim_trains_and_resumes_on_the_exact_trajectory(
-        self, use_tf_while_loop
+        self, use_tf_while_loop, steps_per_epoch=8
     ):
         # Both workers see the same full batch: every accepted gradient is
         # the full-batch gradient at the current weights, so U rounds give
@@ -427,15 +429,18 @@ class TrainerTest(parameterized.TestCase):
                 use_tf_while_loop=use_tf_while_loop,
             )
             history = trainer.train(
-                _dataset_fn, epochs=epochs, steps_per_epoch=8
+                _dataset_fn, epochs=epochs, steps_per_epoch=steps_per_epoch
             )
             steps.append(history.history["sync_steps"])
         self.assertLen(steps[1], 2)  # epochs 2 and 3 only
         updates = int(trainer.global_step.numpy())
         self.assertEqual(steps[1][-1], updates)
         self.assertGreater(steps[1][0], steps[0][-1])
-        # 24 pushes, 2 per round; TF1's order wastes some (stale pushes).
-        self.assertBetween(updates, 6, 12)
+        # 3 epochs of pushes, 2 per round; TF1's order wastes some (stale
+        # pushes).
+        self.assertBetween(
+            updates, steps_per_epoch * 3 // 4, steps_per_epoch * 3 // 2
+        )
         reference = testutil.dense_model(0)
         reference.set_weights(initial)
         inner = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
@@ -546,15 +551,67 @@ class TrainerTest(parameterized.TestCase):
         ):
             _trainer(_parts(), 4, use_tf_while_loop="no")
 
-    def test_steps_not_a_multiple_of_the_loop(self):
+    @parameterized.named_parameters(
+        # Loops of 4, the first as single steps: 4 + 2, then a loop + 2,
+        # every single step the one function the first loop set up.
+        ("default", {}, 6, ["one"] * 6 + ["loop"] + ["one"] * 2),
+        # Epochs shorter than a loop: single steps only.
+        ("short", {}, 3, ["one"] * 6),
+        # No first single steps (a tf.while_loop of single steps already
+        # is one step's function): a function of one step of its own.
+        (
+            "while_loop",
+            {"use_tf_while_loop": True},
+            6,
+            ["loop", "one", "one"] * 2,
+        ),
+        # 8 copies past a group of 3: no first single steps either.
+        (
+            "past_a_group",
+            {"options": tf2sync.SyncOptions(max_unrolled_steps=3)},
+            10,
+            ["loop", "one", "one"] * 2,
+        ),
+    )
+    def test_an_epoch_short_of_a_whole_loop_ends_on_single_steps(
+        self, kwargs, steps_per_epoch, expected_schedule
+    ):
+        # Every worker sees the same full batch: the same trajectory as
+        # single steps all along.
+        parts = _parts()
+        _trainer(parts, 1).train(
+            _dataset_fn, epochs=2, steps_per_epoch=steps_per_epoch
+        )
+        expected = parts[1].get_weights()
         strategy, model, optimizer = _parts()
-        trainer = _trainer((strategy, model, optimizer), 4)
-        with self.assertRaisesRegex(
-            ValueError,
-            r"`steps_per_epoch` must be a multiple of `steps_per_loop` \(4\)."
-            r" Received: steps_per_epoch=6",
-        ):
-            trainer.train(_dataset_fn, epochs=1, steps_per_epoch=6)
+        steps_per_loop = 8 if "options" in kwargs else 4
+        trainer = _trainer(
+            (strategy, model, optimizer), steps_per_loop, **kwargs
+        )
+        schedule = trainer.coordinator.schedule
+        scheduled, others = [], set()
+
+        def recording(fn, args=None, kwargs=None):
+            scheduled.append("loop" if fn is trainer._loop else "one")
+            if fn is not trainer._loop:
+                others.add(fn)
+            return schedule(fn, args=args, kwargs=kwargs)
+
+        with mock.patch.object(trainer.coordinator, "schedule", recording):
+            history = trainer.train(
+                _dataset_fn, epochs=2, steps_per_epoch=steps_per_epoch
+            )
+        self.assertEqual(scheduled, expected_schedule)
+        self.assertLen(others, 1)  # one function of one step
+        # 2 pushes an update; an odd epoch leaves one pending.
+        self.assertEqual(
+            history.history["sync_steps"],
+            [steps_per_epoch // 2, steps_per_epoch],
+        )
+        self.assertEqual(int(optimizer.iterations.numpy()), steps_per_epoch)
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), expected), 1e-6
+        )
 
 
 if __name__ == "__main__":

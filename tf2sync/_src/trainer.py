@@ -328,16 +328,17 @@ class Trainer:
             `tf2sync.ServicePassPerEpoch`: each epoch is then one pass of
             a tf.data service job shared by the workers, and ends with it.
           epochs: Total epochs (resumed ones included).
-          steps_per_epoch: Replica steps per epoch; a multiple of
-            `steps_per_loop`. None (only) with a `ServicePassPerEpoch`.
+          steps_per_epoch: Replica steps per epoch: loops of
+            `steps_per_loop` steps, then the rest (fewer) as functions of
+            one step each. None (only) with a `ServicePassPerEpoch`.
 
         Returns:
           The `tf.keras.callbacks.History` of the epochs run.
 
         Raises:
           TypeError: If `dataset_fn` is not callable (a dataset itself).
-          ValueError: If `steps_per_epoch` is not a multiple of
-            `steps_per_loop`, or is given with a `ServicePassPerEpoch`
+          ValueError: If `steps_per_epoch` is not a positive int, or is
+            given with a `ServicePassPerEpoch`
             (or missing without one); or a `ServicePassPerEpoch` is given
             with the TF1 shim; or a later `SyncOptimizer` replaced this
             trainer's (then neither the model nor a checkpoint changes).
@@ -356,7 +357,9 @@ class Trainer:
         if self._saver:  # traced while every task answers
             self._saver.prepare()
         start_epoch = int(self._epoch.numpy())
-        loops_per_epoch = (steps_per_epoch or 0) // self.steps_per_loop
+        loops_per_epoch, rest = divmod(
+            steps_per_epoch or 0, self.steps_per_loop
+        )
         history = tf_keras.callbacks.History()
         callback_list = tf_keras.callbacks.CallbackList(
             self._callbacks + [history],
@@ -381,6 +384,13 @@ class Trainer:
             loop = self._loop = self._loop_function(
                 traces=traces if single is not None else None
             )
+            # An epoch's last steps short of a loop run as single steps:
+            # the first loop's function where there is one (set up by
+            # then), rather than a function of their own for each worker
+            # to set up.
+            rest_fn = None
+            if rest:
+                rest_fn = single or self._loop_function(steps=1)
         callback_list.on_train_begin()
         for epoch in range(start_epoch, epochs):
             self.train_loop_begin()
@@ -390,7 +400,12 @@ class Trainer:
                 logs = self._run_pass(loop, iter(per_worker), sync)
             else:
                 logs = self._run_epoch(
-                    loop, iterator, loops_per_epoch, sync, single
+                    loop,
+                    iterator,
+                    loops_per_epoch,
+                    sync,
+                    single,
+                    rest=(rest_fn, rest),
                 )
                 single = None  # the first epoch's first loop only
             logs = self.train_loop_end(logs)
@@ -404,8 +419,8 @@ class Trainer:
         return history
 
     def _check_steps_per_epoch(self, steps_per_epoch, service=False):
-        """Raises `ValueError` unless a multiple of `steps_per_loop` (None
-        with a `ServicePassPerEpoch`, which the shim cannot read)."""
+        """Raises `ValueError` unless a positive int (None with a
+        `ServicePassPerEpoch`, which the shim cannot read)."""
         if service:
             if self._shim:
                 raise ValueError(
@@ -430,12 +445,6 @@ class Trainer:
                 "`steps_per_epoch` must be a positive int. Received: "
                 f"steps_per_epoch={steps_per_epoch!r}"
             )
-        if steps_per_epoch % self.steps_per_loop:
-            raise ValueError(
-                "`steps_per_epoch` must be a multiple of `steps_per_loop` "
-                f"({self.steps_per_loop}). Received: "
-                f"steps_per_epoch={steps_per_epoch}"
-            )
 
     def _restore_latest_checkpoint(self):
         """Restores the latest checkpoint of `checkpoint_dir`, if any."""
@@ -455,7 +464,9 @@ class Trainer:
         )
         return iter(per_worker)
 
-    def _run_epoch(self, loop, iterator, loops_per_epoch, sync, single=None):
+    def _run_epoch(
+        self, loop, iterator, loops_per_epoch, sync, single=None, rest=None
+    ):
         """Schedules an epoch's functions, joins, and returns its logs.
 
         Args:
@@ -466,6 +477,8 @@ class Trainer:
           single: The function of one step from `_single_step_loop`: the
             first loop runs as `steps_per_loop` of it. None: every loop is
             one `loop`.
+          rest: `(function of one step, count)`: the epoch's last steps,
+            fewer than a loop, run after the loops (`(None, 0)`: none).
 
         Returns:
           The logs: the mean loss, the sync totals (read after the join)
@@ -473,14 +486,18 @@ class Trainer:
         """
         began = time.perf_counter()
         before = self._sync_steps(sync)
+        rest_fn, rest_steps = rest or (None, 0)
         functions = [(loop, self.steps_per_loop)] * loops_per_epoch
-        if single is not None:
+        if single is not None and functions:
             functions[:1] = [(single, 1)] * self.steps_per_loop
+        functions += [(rest_fn, 1)] * rest_steps
         plan = getattr(self.coordinator, "plan_epoch", None)
         if plan is not None:  # re-run functions add no update to the run
-            plan(loop, loops_per_epoch * self.steps_per_loop, self._run)
-            if single is not None:
-                self.coordinator.planned(single)
+            pushes = loops_per_epoch * self.steps_per_loop + rest_steps
+            plan(loop, pushes, self._run)
+            for function in (single, rest_fn):
+                if function is not None:
+                    self.coordinator.planned(function)
         results = [
             (self.coordinator.schedule(function, args=(iterator,)), steps)
             for function, steps in functions
@@ -540,17 +557,23 @@ class Trainer:
         each function's loss the mean of its steps'), fetched in order;
         with `verbose=1` a bar counting loops of `steps_per_loop` steps."""
         bar = None
+        steps_total = sum(s for _, s in results)
+        # Loops, or steps where the epoch ends short of a loop.
+        unit = (
+            self.steps_per_loop if steps_total % self.steps_per_loop == 0 else 1
+        )
         if self._verbose == 1:
-            loops_total = sum(s for _, s in results) / self.steps_per_loop
             bar = tf_keras.utils.Progbar(
-                loops_total, unit_name="loop", stateful_metrics=["loss"]
+                steps_total // unit,
+                unit_name="loop" if unit > 1 else "step",
+                stateful_metrics=["loss"],
             )
         done, total = 0, 0.0
         for result, steps in results:
             done += steps
             total += float(result.fetch()) * steps
             if bar:  # the mean loss of the steps so far
-                bar.update(done / self.steps_per_loop, [("loss", total / done)])
+                bar.update(done // unit, [("loss", total / done)])
         return total / done
 
     def _end_epoch(self, epoch, epochs, logs):
