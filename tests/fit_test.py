@@ -526,6 +526,14 @@ class FitTest(parameterized.TestCase):
                     validation_data=validation,
                     verbose=0,
                 )
+        # Arrays fit splits off itself: the message names the split.
+        with self.assertRaisesRegex(
+            ValueError,
+            r"`validation_data` of arrays needs `validation_steps` .* "
+            r"Received: validation_data=tuple, validation_split=0.25, "
+            r"validation_steps=None",
+        ):
+            model.fit(x, y, epochs=2, steps_per_epoch=4, validation_split=0.25)
         self.assertEqual(int(model.optimizer.iterations.numpy()), 0)
         self.assertEqual(testutil.max_abs_diff(model.get_weights(), before), 0)
         # With their steps (and the dataset repeating) both validate. The

@@ -333,6 +333,8 @@ def _check_validation_input(model):
     data, steps = validation.data, validation.steps
     exact = tf_internals.exact_evaluation_shards(model) > 0
     received = f"Received: validation_data={type(data).__name__}"
+    if validation.split:  # the arrays fit split off, unless data was given
+        received += f", validation_split={validation.split!r}"
     if isinstance(data, data_service.ServicePassPerEpoch):
         raise ValueError(
             "A tf2sync.ServicePassPerEpoch is read only as fit's training "

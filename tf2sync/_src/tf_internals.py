@@ -759,6 +759,7 @@ class FitValidation(typing.NamedTuple):
     y: object  # its targets
     steps: object  # `validation_steps`
     validates: bool  # whether any epoch of this `fit` validates
+    split: object = None  # `validation_split`
 
 
 def fit_validation(model):
@@ -793,6 +794,7 @@ def fit_validation(model):
         local.get("val_y"),
         local.get("validation_steps"),
         validates,
+        local.get("validation_split"),
     )
 
 
