@@ -4,6 +4,7 @@ import contextlib
 import csv
 import glob
 import io
+import math
 import tempfile
 import time
 
@@ -243,6 +244,34 @@ class CallbacksTest(absltest.TestCase):
             float(model.optimizer.inner_optimizer.learning_rate.numpy()),
             0.0125,
         )
+
+    def test_terminate_on_nan_runs_and_nan_steps_are_dropped_unlogged(self):
+        # It reads fit's logs unconverted (`logs.get("loss")`), which stock
+        # PSS's RemoteValue refuses (a TypeError from fit).
+        model = _compiled()
+        history = model.fit(
+            _dataset(),
+            epochs=3,
+            steps_per_epoch=4,
+            verbose=0,
+            callbacks=[tf.keras.callbacks.TerminateOnNaN()],
+        )
+        self.assertLen(history.history["loss"], 3)
+        # A NaN step's push is dropped with its loss (the loss metric's
+        # writes ride the push): the logs show the loss of applied steps,
+        # so it never sees a NaN; nonfinite_dropped counts them.
+        before = model.get_weights()
+        nan = tf.data.Dataset.from_tensors((_X * float("nan"), _Y)).repeat()
+        history = model.fit(
+            nan,
+            epochs=2,
+            steps_per_epoch=4,
+            verbose=0,
+            callbacks=[tf.keras.callbacks.TerminateOnNaN()],
+        )
+        self.assertEqual(history.history["nonfinite_dropped"], [4, 8])
+        self.assertTrue(all(math.isfinite(v) for v in history.history["loss"]))
+        self.assertEqual(testutil.max_abs_diff(model.get_weights(), before), 0)
 
 
 class _SlowReplica(tf.keras.Sequential):

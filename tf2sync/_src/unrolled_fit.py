@@ -491,6 +491,19 @@ class _WithSyncTotals(tf.distribute.experimental.coordinator.RemoteValue):
         """The logs as NumPy values, once the function has run."""
         return self._with_totals(self._logs.fetch(), lambda v: v)
 
-    def get(self):
-        """The logs as tensors, once the function has run."""
-        return self._with_totals(self._logs.get(), tf.constant)
+    def get(self, *key_and_default):
+        """The logs as tensors, once the function has run.
+
+        Given a key (and a default), that entry of the fetched logs, as a
+        dict's `get`: callbacks that take fit's logs unconverted call
+        `logs.get("loss")` on them (`TerminateOnNaN`, which fails so under
+        stock PSS: its `RemoteValue.get` takes no key). A sync total is
+        read from the ps only when its key is asked for.
+        """
+        if not key_and_default:
+            return self._with_totals(self._logs.get(), tf.constant)
+        key, *default = key_and_default
+        logs = self._logs.fetch()
+        if isinstance(logs, dict) and key in logs:
+            return logs[key]
+        return self.fetch().get(key, *default)
