@@ -333,7 +333,7 @@ def _check_validation_input(model):
     data, steps = validation.data, validation.steps
     exact = tf_internals.exact_evaluation_shards(model) > 0
     received = f"Received: validation_data={type(data).__name__}"
-    if validation.split:  # the arrays fit split off, unless data was given
+    if validation.split:  # as given: fit uses it only without the data
         received += f", validation_split={validation.split!r}"
     if isinstance(data, data_service.ServicePassPerEpoch):
         raise ValueError(

@@ -127,10 +127,10 @@ def _cannot_create_in(directory: str) -> str | None:
     """
     try:
         fd, probe = tempfile.mkstemp(dir=directory, prefix=".tf2sync-probe-")
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         return e.strerror or str(e)
-    os.close(fd)
-    os.unlink(probe)
     return None
 
 

@@ -462,9 +462,9 @@ def warn_loaded_fresh(name) -> None:
     files hold no state of a legacy-style optimizer such as this one, and
     its h5 loading skips it (with a warning of its own)."""
     logging.warning(
-        "Loaded %s from its saved config with a fresh state: the global step "
-        "starts at 0 and the slots anew (saved model files hold no "
-        "SyncOptimizer state). To resume training, restore a checkpoint "
+        "Built %s from its config with a fresh state: the global step starts "
+        "at 0 and the slots anew (a model file loaded with load_model holds "
+        "no SyncOptimizer state). To resume training, restore a checkpoint "
         "(save_weights, ModelCheckpoint(save_weights_only=True), Trainer's "
         "checkpoint_dir).",
         name or "SyncOptimizer",

@@ -29,7 +29,8 @@ class Trainer:
 
     1. `train_loop_begin()` (override to reset state), then the callbacks'
        `on_epoch_begin`.
-    2. `steps // steps_per_loop` functions are scheduled on the workers; each
+    2. `steps // steps_per_loop` functions are scheduled on the workers
+       (then the rest of the epoch's steps as functions of one step); each
        runs `steps_per_loop` synchronous replica steps, and each replica
        step calls `train_step(batch)` (override it; the default computes
        `loss_fn(y, model(x))` and applies through the `SyncOptimizer`, or
@@ -495,9 +496,10 @@ class Trainer:
         if plan is not None:  # re-run functions add no update to the run
             pushes = loops_per_epoch * self.steps_per_loop + rest_steps
             plan(loop, pushes, self._run)
-            for function in (single, rest_fn):
-                if function is not None:
-                    self.coordinator.planned(function)
+            if self.coordinator.in_plan(self._run):  # not the TF1 shim's
+                for function in (single, rest_fn):
+                    if function is not None:
+                        self.coordinator.planned(function)
         results = [
             (self.coordinator.schedule(function, args=(iterator,)), steps)
             for function, steps in functions
@@ -555,7 +557,8 @@ class Trainer:
     def _fetch_mean_loss(self, results):
         """The mean loss of the steps of `results` (`(RemoteValue, steps)`,
         each function's loss the mean of its steps'), fetched in order;
-        with `verbose=1` a bar counting loops of `steps_per_loop` steps."""
+        with `verbose=1` a bar counting loops of `steps_per_loop` steps, or
+        steps where the epoch is not a whole number of loops."""
         bar = None
         steps_total = sum(s for _, s in results)
         # Loops, or steps where the epoch ends short of a loop.

@@ -504,6 +504,8 @@ class _WithSyncTotals(tf.distribute.experimental.coordinator.RemoteValue):
             return self._with_totals(self._logs.get(), tf.constant)
         key, *default = key_and_default
         logs = self._logs.fetch()
-        if isinstance(logs, dict) and key in logs:
+        if not isinstance(logs, dict):
+            return default[0] if default else None
+        if key in logs:
             return logs[key]
         return self.fetch().get(key, *default)
