@@ -12,6 +12,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import tf2sync
+from tf2sync._src import trainer as trainer_lib
 
 _X, _Y = testutil.data("dense", 32)
 
@@ -118,6 +119,44 @@ class TrainerTest(parameterized.TestCase):
         self.assertEqual(history.history["hooked"], [1.0, 1.0])
         self.assertEqual(history.history["sync_steps"], [4, 8])
         self.assertLess(history.history["loss"][1], history.history["loss"][0])
+
+    def test_callbacks_acting_on_batches_are_named_in_a_warning(self):
+        # The Trainer calls epoch hooks only: a ModelCheckpoint saving
+        # every 2 batches would never save, silently.
+        directory = tempfile.mkdtemp()
+        batch_hooked = [
+            tf.keras.callbacks.ModelCheckpoint(
+                os.path.join(directory, "m_{epoch}.h5"),
+                save_weights_only=True,
+                save_freq=2,
+            ),
+            tf.keras.callbacks.LambdaCallback(on_batch_end=lambda *_: None),
+        ]
+        epoch_only = [
+            tf.keras.callbacks.ModelCheckpoint(
+                os.path.join(directory, "e_{epoch}.h5"), save_weights_only=True
+            ),
+            tf2sync.SyncMetrics(),
+        ]
+        for callbacks, expected in (
+            (
+                batch_hooked + epoch_only,
+                ["the batch hooks of ModelCheckpoint, LambdaCallback will not"],
+            ),
+            (epoch_only, []),
+        ):
+            trainer = _trainer(_parts(), 4, callbacks=callbacks)
+            with mock.patch.object(trainer_lib.logging, "warning") as warning:
+                history = trainer.train(
+                    _dataset_fn, epochs=1, steps_per_epoch=4
+                )
+            # SyncMetrics reads the Trainer's optimizer (the model has none).
+            self.assertEqual(history.history["stale_dropped_epoch"], [0])
+            said = [c.args[0] % c.args[1:] for c in warning.call_args_list]
+            self.assertLen(said, len(expected), said)
+            for line, part in zip(said, expected):
+                self.assertIn(part, line)
+        self.assertEqual(os.listdir(directory), ["e_1.h5"])
 
     def test_the_first_loop_runs_as_single_steps(self):
         # The workers first set up a function of one step copy; the full

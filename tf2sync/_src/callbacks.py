@@ -25,6 +25,18 @@ def find_sync_optimizer(optimizer):
     )
 
 
+def use_optimizer(callbacks, optimizer) -> None:
+    """Makes the `SyncMetrics` among `callbacks` read `optimizer`'s totals
+    (a `tf2sync.Trainer`'s: its model is not compiled with it).
+
+    Raises:
+      ValueError: If there is one and `optimizer` holds no `SyncOptimizer`.
+    """
+    for callback in callbacks:
+        if isinstance(callback, SyncMetrics):
+            callback._optimizer = find_sync_optimizer(optimizer)
+
+
 def sync_totals(optimizer) -> dict:
     """Exact totals of a `SyncOptimizer` (or its loss-scale wrapper), read
     on the ps in one call (`Aggregator.totals`)."""
@@ -134,6 +146,7 @@ class SyncMetrics(tf_keras.callbacks.ProgbarLogger):
         self._batch_size = batch_size
         self.show_all = verbose
         self._start = None
+        self._optimizer = None  # a Trainer's (`use_optimizer`), or the model's
 
     def on_train_begin(self, logs=None):
         # Another progress bar in fit's callbacks prints instead: one line
@@ -154,7 +167,7 @@ class SyncMetrics(tf_keras.callbacks.ProgbarLogger):
         super().on_train_batch_end(batch, self._shown(logs))
 
     def _totals(self):
-        return sync_totals(find_sync_optimizer(self.model.optimizer))
+        return sync_totals(self._optimizer or self.model.optimizer)
 
     def on_epoch_begin(self, epoch, logs=None):
         totals = self._totals()

@@ -1121,6 +1121,15 @@ def restore_epoch_logs_validator(model) -> None:
 # `iterations` + 1 per caller) cannot run.
 
 
+def implements_train_batch_hooks(callback) -> bool:
+    """Whether a tf_keras callback acts on training batches
+    (`_implements_train_batch_hooks`: an overridden batch hook, a
+    `ModelCheckpoint` or `BackupAndRestore` saving every N batches, a
+    `TensorBoard` tracing) [2.21] [2.15]."""
+    implements = getattr(callback, "_implements_train_batch_hooks", None)
+    return bool(implements()) if implements is not None else False
+
+
 def is_trackable(obj) -> bool:
     """Whether `obj` can be saved in a TF2 checkpoint as a child
     (`tf.__internal__.tracking.Trackable`: public only under `__internal__`)."""

@@ -10,6 +10,7 @@ import time
 
 import tensorflow as tf
 import tf_keras
+from absl import logging
 
 from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import checkpointing
@@ -392,6 +393,8 @@ class Trainer:
             rest_fn = None
             if rest:
                 rest_fn = single or self._loop_function(steps=1)
+        _warn_batch_hooks_uncalled(self._callbacks)
+        callbacks_lib.use_optimizer(self._callbacks, self.optimizer)
         callback_list.on_train_begin()
         for epoch in range(start_epoch, epochs):
             self.train_loop_begin()
@@ -703,3 +706,26 @@ def _converted(fn):
         return tf.autograph.to_graph(fn)
     except Exception:  # noqa: BLE001 - source not available: as written
         return fn
+
+
+def _warn_batch_hooks_uncalled(callbacks) -> None:
+    """Says which callbacks act on batches, hooks a `Trainer` never calls.
+
+    It calls the epoch and train hooks only: its functions run loops of
+    steps on the workers, with no batch in between for a hook (a
+    `ModelCheckpoint(save_freq=N)` would never save). Progress bars are
+    its own business (`verbose`, `SyncMetrics`).
+    """
+    names = [
+        type(c).__name__
+        for c in callbacks
+        if not isinstance(c, tf_keras.callbacks.ProgbarLogger)
+        and tf_internals.implements_train_batch_hooks(c)
+    ]
+    if names:
+        logging.warning(
+            "tf2sync.Trainer calls the callbacks' epoch hooks only: the batch "
+            "hooks of %s will not be called (save or log per epoch, e.g. "
+            "ModelCheckpoint(save_freq='epoch'), or train with model.fit).",
+            ", ".join(names),
+        )
