@@ -249,26 +249,24 @@ class CallbacksTest(absltest.TestCase):
         # It reads fit's logs unconverted (`logs.get("loss")`), which stock
         # PSS's RemoteValue refuses (a TypeError from fit).
         model = _compiled()
-        history = model.fit(
-            _dataset(),
-            epochs=3,
-            steps_per_epoch=4,
-            verbose=0,
-            callbacks=[tf.keras.callbacks.TerminateOnNaN()],
-        )
+
+        def fit(data, epochs):
+            return model.fit(
+                data,
+                epochs=epochs,
+                steps_per_epoch=4,
+                verbose=0,
+                callbacks=[tf.keras.callbacks.TerminateOnNaN()],
+            )
+
+        history = fit(_dataset(), 3)
         self.assertLen(history.history["loss"], 3)
         # A NaN step's push is dropped with its loss (the loss metric's
         # writes ride the push): the logs show the loss of applied steps,
         # so it never sees a NaN; nonfinite_dropped counts them.
         before = model.get_weights()
         nan = tf.data.Dataset.from_tensors((_X * float("nan"), _Y)).repeat()
-        history = model.fit(
-            nan,
-            epochs=2,
-            steps_per_epoch=4,
-            verbose=0,
-            callbacks=[tf.keras.callbacks.TerminateOnNaN()],
-        )
+        history = fit(nan, 2)
         self.assertEqual(history.history["nonfinite_dropped"], [4, 8])
         self.assertTrue(all(math.isfinite(v) for v in history.history["loss"]))
         self.assertEqual(testutil.max_abs_diff(model.get_weights(), before), 0)
