@@ -120,6 +120,43 @@ class TrainerTest(parameterized.TestCase):
         self.assertEqual(history.history["sync_steps"], [4, 8])
         self.assertLess(history.history["loss"][1], history.history["loss"][0])
 
+    def test_a_checkpoint_dir_it_could_not_write_is_refused_at_once(self):
+        afile = tempfile.mkstemp()[1]
+        for path, problem in (
+            (afile, "is a file, not a directory"),
+            (
+                os.path.join(afile, "ckpt"),
+                f"cannot be created: {afile} is a file",
+            ),
+        ):
+            with self.assertRaisesRegex(
+                ValueError,
+                f"`checkpoint_dir`: {problem}. Received: "
+                f"checkpoint_dir='{path}'",
+            ):
+                _trainer(_parts(), 4, checkpoint_dir=path)
+
+    def test_a_dataset_that_runs_out_is_named_and_earlier_epochs_kept(self):
+        # 6 batches per worker: the first epoch's 8 pushes take about 4 of
+        # each worker's, the second runs out.
+        def finite(input_context):
+            del input_context
+            return tf.data.Dataset.from_tensors((_X, _Y)).repeat(6)
+
+        directory = tempfile.mkdtemp()
+        strategy, model, optimizer = _parts()
+        trainer = _trainer(
+            (strategy, model, optimizer), 4, checkpoint_dir=directory
+        )
+        with self.assertRaisesRegex(
+            ValueError,
+            r"The dataset of `dataset_fn` ran out on a worker: .* must repeat "
+            r"\(add `.repeat\(\)`",
+        ):
+            trainer.train(finite, epochs=3, steps_per_epoch=8)
+        self.assertIsNotNone(tf.train.latest_checkpoint(directory))
+        self.assertEqual(int(trainer._epoch.numpy()), 1)
+
     def test_callbacks_acting_on_batches_are_named_in_a_warning(self):
         # The Trainer calls epoch hooks only: a ModelCheckpoint saving
         # every 2 batches would never save, silently.

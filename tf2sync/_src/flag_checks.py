@@ -84,37 +84,42 @@ def check_checkpoint_dir(
     path: str | None, *, writable: bool, name: str = "checkpoint_dir"
 ) -> None:
     """Refuses a --checkpoint_dir (or another directory flag, `name`) that
-    is a file or (if `writable`) one the chief could not write into or
-    create.
+    `directory_problem` finds wrong."""
+    problem = directory_problem(path, writable=writable)
+    if problem:
+        _refuse(f"--{name}={path}: {problem}.")
+
+
+def directory_problem(path: str | None, *, writable: bool) -> str | None:
+    """What is wrong with `path` as a directory to save into (`writable`)
+    or read from, in words ("is a file, not a directory"), or None.
 
     A directory that does not exist yet is fine if its nearest existing
-    parent is a writable directory (the chief creates it at its first
-    save). Remote paths (`scheme://...`) are not checked.
+    parent is a writable directory (the first save creates it). Remote
+    paths (`scheme://...`) are not checked.
     """
     if not path or _is_remote(path):
-        return
-    flag = f"--{name}={path}"
+        return None
     if os.path.exists(path) and not os.path.isdir(path):
-        _refuse(f"{flag}: is a file, not a directory.")
+        return "is a file, not a directory"
     if not writable:
-        return
+        return None
     if os.path.isdir(path):
         if not os.access(path, os.W_OK | os.X_OK):
-            _refuse(f"{flag}: the directory is not writable.")
+            return "the directory is not writable"
         why = _cannot_create_in(path)
-        if why:
-            _refuse(f"{flag}: the directory is not writable ({why}).")
-        return
+        return f"the directory is not writable ({why})" if why else None
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        _refuse(f"{flag}: cannot be created: {parent} is a file.")
+        return f"cannot be created: {parent} is a file"
     if not os.access(parent, os.W_OK | os.X_OK):
-        _refuse(f"{flag}: cannot be created: {parent} is not writable.")
+        return f"cannot be created: {parent} is not writable"
     why = _cannot_create_in(parent)
     if why:
-        _refuse(f"{flag}: cannot be created: {parent} is not writable ({why}).")
+        return f"cannot be created: {parent} is not writable ({why})"
+    return None
 
 
 def _cannot_create_in(directory: str) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import inspect
 import numbers
+import os
 import sys
 import time
 
@@ -17,6 +18,7 @@ from tf2sync._src import checkpointing
 from tf2sync._src import compat_v1
 from tf2sync._src import coordinator as coordinator_lib
 from tf2sync._src import data_service
+from tf2sync._src import flag_checks
 from tf2sync._src import loops
 from tf2sync._src import options as options_lib
 from tf2sync._src import step_context
@@ -120,11 +122,13 @@ class Trainer:
             or `optimizer` is neither optimizer above.
           ValueError: If `steps_per_loop` is not a positive int, or
             `use_tf_while_loop` not None or a bool, or a later
-            `SyncOptimizer` replaced `optimizer`.
+            `SyncOptimizer` replaced `optimizer`, or `checkpoint_dir` is a
+            file or cannot be written or created.
         """
         _check_loop_arguments(steps_per_loop, use_tf_while_loop)
         self.options = _checked_options(strategy, options)
         _check_optimizer(optimizer)
+        _check_checkpoint_dir(checkpoint_dir)
         self.strategy = strategy
         self.model = model
         self.optimizer = optimizer
@@ -503,12 +507,22 @@ class Trainer:
                 for function in (single, rest_fn):
                     if function is not None:
                         self.coordinator.planned(function)
-        results = [
-            (self.coordinator.schedule(function, args=(iterator,)), steps)
-            for function, steps in functions
-        ]
-        loss = self._fetch_mean_loss(results)
-        self.coordinator.join()
+        try:
+            results = [
+                (self.coordinator.schedule(function, args=(iterator,)), steps)
+                for function, steps in functions
+            ]
+            loss = self._fetch_mean_loss(results)
+            self.coordinator.join()
+        except tf.errors.OutOfRangeError as e:
+            raise ValueError(
+                "The dataset of `dataset_fn` ran out on a worker: under "
+                "ParameterServerStrategy each worker iterates its own copy "
+                "for the whole `train` call, so it must repeat (add "
+                "`.repeat()`; an epoch is `steps_per_epoch` steps). Epochs "
+                "that ended before this one trained (and were checkpointed "
+                "with `checkpoint_dir`)."
+            ) from e
         seconds = time.perf_counter() - began
         totals = self._sync_totals(sync)
         steps_done = totals["sync_steps"] - before
@@ -728,4 +742,18 @@ def _warn_batch_hooks_uncalled(callbacks) -> None:
             "hooks of %s will not be called (save or log per epoch, e.g. "
             "ModelCheckpoint(save_freq='epoch'), or train with model.fit).",
             ", ".join(names),
+        )
+
+
+def _check_checkpoint_dir(checkpoint_dir) -> None:
+    """Refuses a `checkpoint_dir` the first save could not write (a file,
+    a directory it cannot write or create), before anything trains."""
+    if checkpoint_dir is None:
+        return
+    path = os.fspath(checkpoint_dir)
+    problem = flag_checks.directory_problem(path, writable=True)
+    if problem:
+        raise ValueError(
+            f"`checkpoint_dir`: {problem}. Received: "
+            f"checkpoint_dir={checkpoint_dir!r}"
         )
