@@ -986,6 +986,54 @@ class FitTest(absltest.TestCase):
         # without that, weights read early land off the TF1 trajectory.
         self._check(rta=2, total=3, steps=10, spe=5, unroll=True)
 
+    def test_fit_with_a_multi_optimizer_inside_matches_tf1_per_group(self):
+        # TF1's pattern of one rate per variable group under one shim:
+        # a tf2sync.MultiOptimizer of momentum SGDs (kernels at LR, biases
+        # at 2 LR) inside, against TF1's MomentumOptimizer per group.
+        strategy = testutil.strategy(
+            NUM_WORKERS, NUM_PS, replicas_to_aggregate=2, token_timeout=5.0
+        )
+        x, y = testutil.data("dense", 16)
+        dataset = tf.data.Dataset.from_tensors((x, y)).repeat()
+
+        def sgd(rate):
+            return tf.keras.optimizers.legacy.SGD(rate, momentum=self.MOMENTUM)
+
+        with strategy.scope():
+            model = testutil.dense_model()
+            initial = model.get_weights()
+            multi = tf2sync.MultiOptimizer(
+                groups={"kernel": sgd(self.LR), "bias": sgd(2 * self.LR)}
+            )
+            opt = compat_v1.SyncReplicasOptimizer(multi, 2)
+            model.compile(optimizer=opt, loss=testutil.LOSS)
+        model.fit(dataset, epochs=2, steps_per_epoch=8, verbose=0)
+        opt.make_session_run_hook(True).end()
+        rounds = int(opt.rounds.numpy())
+        self.assertEqual(int(model.optimizer.iterations.numpy()), rounds)
+        self.assertGreater(rounds, 0)
+        reference = testutil.dense_model()
+        reference.set_weights(initial)
+        per_group = {
+            "kernel": tf.compat.v1.train.MomentumOptimizer(
+                self.LR, self.MOMENTUM
+            ),
+            "bias": tf.compat.v1.train.MomentumOptimizer(
+                2 * self.LR, self.MOMENTUM
+            ),
+        }
+        for _ in range(rounds):
+            with tf.GradientTape() as tape:
+                loss = testutil.LOSS(y, reference(x))
+            variables = reference.trainable_variables
+            grads = tape.gradient(loss, variables)
+            for key, inner in per_group.items():
+                inner.apply_gradients(
+                    [(g, v) for g, v in zip(grads, variables) if key in v.name]
+                )
+        for got, want in zip(model.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
 
 class ExampleTest(absltest.TestCase):
     """The two migration examples against synchronous momentum in NumPy."""

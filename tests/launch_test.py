@@ -1,6 +1,8 @@
 """The tf2sync binary: real multi-process clusters on 127.0.0.1."""
 
+import contextlib
 import glob
+import io
 import json
 import os
 import re
@@ -397,19 +399,26 @@ class LaunchTest(parameterized.TestCase):
 class Tf1ShimFlagTest(absltest.TestCase):
     """`--sync_optimizer=tf1_shim` refuses what the shim cannot train."""
 
-    def test_groups_and_mixed_precision_are_refused(self):
+    def test_groups_wrap_a_multi_optimizer_and_mixed_precision_is_refused(
+        self,
+    ):
         import fault_job
 
         from tf2sync._src import chief
+        from tf2sync._src.jobs import clicks
         from tf2sync._src.jobs import digits
 
         shim = chief.ChiefConfig(sync_optimizer="tf1_shim")
+        with contextlib.redirect_stdout(io.StringIO()):
+            optimizer = chief.sync_optimizer(digits, shim, 2, 2)
+        inner = optimizer._opt
+        self.assertIsInstance(inner, tf2sync.MultiOptimizer)
+        rates = [round(float(o.learning_rate), 6) for o in inner.optimizers]
+        self.assertEqual(rates, [0.01, 0.1, 0.2])
         with self.assertRaisesRegex(
-            ValueError,
-            "--sync_optimizer=tf1_shim trains one variable group, but the "
-            "job tf2sync._src.jobs.digits defines optimizer_groups",
+            ValueError, "defines build_optimizer\\(\\)"
         ):
-            chief.sync_optimizer(digits, shim, 2, 2)
+            chief.sync_optimizer(clicks, shim, 2, 2)
         mixed = chief.ChiefConfig(
             sync_optimizer="tf1_shim", mixed_precision="mixed_float16"
         )
@@ -574,14 +583,36 @@ class JobModuleTest(absltest.TestCase):
             returncode=None,
         )
 
-    def test_tf1_shim_with_variable_groups_fails_before_any_task(self):
-        out = _launch(["--sync_optimizer=tf1_shim"])  # digits has groups
-        procutil.assert_refused(
-            self,
-            out,
-            "--sync_optimizer=tf1_shim trains one variable group",
-            returncode=None,
+    def test_tf1_shim_trains_the_main_jobs_variable_groups(self):
+        # digits' three rates (TF1's pattern) under one shim, a
+        # MultiOptimizer inside; TF1's order wastes a step after the start.
+        out = _launch(
+            [
+                "--sync_optimizer=tf1_shim",
+                "--epochs=2",
+                "--steps_per_epoch=20",
+                "--verbosity=0",
+            ]
         )
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        for line in (
+            "group 'conv kernels' learning_rate=0.01",
+            "group 'dense kernels' learning_rate=0.1",
+            "group 'biases' learning_rate=0.2",
+        ):
+            self.assertIn(line, out.stdout)
+        # The shim's summary has no stale count (TF1's drops are its order).
+        match = re.search(
+            r"accuracy=(\S+) sync_steps_applied=(\d+)", out.stdout
+        )
+        self.assertIsNotNone(match, out.stdout + out.stderr[-3000:])
+        accuracy, applied = match.groups()
+        self.assertGreater(float(accuracy), 0.3)
+        self.assertBetween(int(applied), 10, 20)
+        self.assertNotIn("invoked without using", out.stderr)
+        pids = json.loads(re.search(r"pids=(\[.*\])", out.stdout).group(1))
+        for pid in pids:
+            self.assertFalse(_alive(pid), f"task {pid} left behind")
 
 
 class DigitsJobTest(absltest.TestCase):

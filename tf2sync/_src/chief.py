@@ -74,7 +74,6 @@ def _partitioner_args(config: ChiefConfig, num_ps: int):
 def inner_optimizer(job, config: ChiefConfig):
     """The job's `build_optimizer(learning_rate, momentum)` if it has one,
     else momentum SGD, one per variable group if the job defines groups."""
-    import tf2sync
 
     def sgd(rate):
         return tf.keras.optimizers.SGD(rate, momentum=config.momentum)
@@ -88,11 +87,19 @@ def inner_optimizer(job, config: ChiefConfig):
         return optimizer
     if not hasattr(job, "optimizer_groups"):
         return sgd(config.learning_rate)
+    return _groups_optimizer(job, config, sgd)
+
+
+def _groups_optimizer(job, config: ChiefConfig, optimizer_of_rate):
+    """A `tf2sync.MultiOptimizer` of the job's `optimizer_groups`, each
+    group's optimizer `optimizer_of_rate(its rate)`; prints the rates."""
+    import tf2sync
+
     groups = job.optimizer_groups(config.learning_rate)
     for description, _, rate in groups:
         print(f"tf2sync: group {description!r} learning_rate={rate:g}")
     return tf2sync.MultiOptimizer(
-        groups={predicate: sgd(rate) for _, predicate, rate in groups}
+        groups={p: optimizer_of_rate(rate) for _, p, rate in groups}
     )
 
 
@@ -100,20 +107,32 @@ def sync_optimizer(job, config: ChiefConfig, rta: int, total: int):
     """The optimizer to compile with, as `config.sync_optimizer` says.
 
     Raises:
-      ValueError: If the TF1 shim is asked for with variable groups or a
-        mixed precision policy, which it does not support.
+      ValueError: If the TF1 shim is asked for with a job's own optimizer
+        or a mixed precision policy, which it does not support. With
+        variable groups it wraps a `tf2sync.MultiOptimizer`.
     """
     import tf2sync
 
     check_sync_optimizer(job, config)
     if config.sync_optimizer == "tf2sync":
         return tf2sync.SyncOptimizer(inner_optimizer(job, config))
-    return tf2sync.compat.v1.SyncReplicasOptimizer(
-        tf.compat.v1.train.MomentumOptimizer(
+    if hasattr(job, "optimizer_groups"):
+        # TF1's momentum per group: tf_keras's legacy momentum SGD makes
+        # the same updates at a constant rate, and MultiOptimizer takes
+        # tf_keras optimizers only.
+        inner = _groups_optimizer(
+            job,
+            config,
+            lambda rate: tf.keras.optimizers.legacy.SGD(
+                rate, momentum=config.momentum
+            ),
+        )
+    else:
+        inner = tf.compat.v1.train.MomentumOptimizer(
             config.learning_rate, config.momentum
-        ),
-        replicas_to_aggregate=rta,
-        total_num_replicas=total,
+        )
+    return tf2sync.compat.v1.SyncReplicasOptimizer(
+        inner, replicas_to_aggregate=rta, total_num_replicas=total
     )
 
 
@@ -126,12 +145,6 @@ def check_sync_optimizer(job, config: ChiefConfig) -> None:
             "--sync_optimizer=tf1_shim trains with TF1's MomentumOptimizer, "
             f"but the job {job.__name__} defines build_optimizer(): use "
             "--sync_optimizer=tf2sync."
-        )
-    if hasattr(job, "optimizer_groups"):
-        raise ValueError(
-            "--sync_optimizer=tf1_shim trains one variable group, but the "
-            f"job {job.__name__} defines optimizer_groups(): use "
-            "--sync_optimizer=tf2sync, or a job without groups."
         )
     if config.mixed_precision != "float32":
         raise ValueError(

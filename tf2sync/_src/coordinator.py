@@ -203,10 +203,11 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             # Trace now (as `schedule` would), so that what the trace built
             # (the TF1 shim's barrier, even on the very first schedule)
             # starts before any worker runs it.
-            wrapped.get_concrete_function(
-                *tf_internals.worker_slice_specs(args),
-                **tf_internals.worker_slice_specs(kwargs or {}),
-            )
+            with tf_internals.being_scheduled(self.strategy):
+                wrapped.get_concrete_function(
+                    *tf_internals.worker_slice_specs(args),
+                    **tf_internals.worker_slice_specs(kwargs or {}),
+                )
             protocol.before_dispatch()
         return super().schedule(wrapped, args=args, kwargs=kwargs)
 

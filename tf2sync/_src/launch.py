@@ -172,9 +172,9 @@ _SYNC_OPTIMIZER = flags.DEFINE_enum(
     ["tf2sync", "tf1_shim"],
     "tf2sync: tf2sync.SyncOptimizer (per-step barrier, packed pushes). "
     "tf1_shim: tf2sync.compat.v1.SyncReplicasOptimizer around TF1's "
-    "MomentumOptimizer, with TF1's token and global-step behaviour (one "
-    "variable group, float32: for a job without optimizer_groups() or "
-    "build_optimizer(); the shipped jobs define one).",
+    "MomentumOptimizer (a MultiOptimizer of momentum SGDs for a job's "
+    "optimizer_groups()), with TF1's token and global-step behaviour "
+    "(float32; not for a job with its own build_optimizer()).",
 )
 _TOKEN_TIMEOUT = flags.DEFINE_float(
     "token_timeout",

@@ -1,7 +1,8 @@
 """The shim's inner optimizers: built eagerly, applied inside the round.
 
 A shim wraps a `tf.compat.v1.train.Optimizer` or a tf_keras optimizer
-(either family). Their slots and moving averages are created eagerly under
+(either family, or a `tf2sync.MultiOptimizer` of them: one per variable
+group). Their slots and moving averages are created eagerly under
 the strategy's scope on the first traced step (PSS cannot create variables
 inside a scheduled function), so `variables()` and `get_slot()` answer
 right after `apply_gradients`; the apply itself runs inside the core's
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf2sync._src import multi_optimizer
 from tf2sync._src import sharding
 from tf2sync._src import step_context
 from tf2sync._src import tf_internals
@@ -26,9 +28,15 @@ def is_keras_legacy(opt) -> bool:
     return isinstance(opt, tf.keras.optimizers.legacy.Optimizer)
 
 
+def is_multi(opt) -> bool:
+    return isinstance(opt, multi_optimizer.MultiOptimizer)
+
+
 def build(opt, var_list):
     """Creates `opt`'s slots for `var_list` now (call eagerly, in scope)."""
-    if is_tf1(opt):
+    if is_multi(opt):  # routes the variables, builds each group's slots
+        opt.build(var_list)
+    elif is_tf1(opt):
         tf_internals.tf1_optimizer_create_slots(opt, var_list)
     elif is_keras_legacy(opt):
         tf_internals.legacy_create_all_weights(opt, var_list)
@@ -77,7 +85,9 @@ def apply(opt, strategy, grads_and_vars, global_step, name):
                 opt, strategy, grads_and_vars, global_step
             )
         var_list = [v for _, v in grads_and_vars]
-        if is_keras_legacy(opt):
+        if is_multi(opt):  # each group's share; its `iterations` +1
+            update = opt.apply_aggregated(grads_and_vars)
+        elif is_keras_legacy(opt):
             update = tf_internals.legacy_distributed_apply(
                 opt,
                 strategy,

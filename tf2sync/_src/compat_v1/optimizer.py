@@ -119,7 +119,8 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
         """Wraps `opt`; see `tf.compat.v1.train.SyncReplicasOptimizer`.
 
         Args:
-          opt: A `tf.compat.v1.train.Optimizer` or a tf_keras optimizer.
+          opt: A `tf.compat.v1.train.Optimizer` or a tf_keras optimizer
+            (a `tf2sync.MultiOptimizer` of them too: one per variable group).
           replicas_to_aggregate: Gradients taken per variable per round.
           total_num_replicas: Workers; `None` means `replicas_to_aggregate`.
           variable_averages: Optional `tf.train.ExponentialMovingAverage`.
