@@ -39,6 +39,19 @@ _Tasks = procutil.Tasks
 
 
 class LaunchTest(parameterized.TestCase):
+    def _trained(self, args):
+        """The launcher's output for `args`, once it exited 0."""
+        out = _launch(args)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        return out
+
+    def _assert_tasks_ended(self, out):
+        """Every local task the launcher printed is gone; their pids."""
+        pids = json.loads(re.search(r"pids=(\[.*\])", out.stdout).group(1))
+        for pid in pids:
+            self.assertFalse(_alive(pid), f"task {pid} left behind")
+        return pids
+
     def _check_result(self, out, epochs, steps):
         match = _RESULT.search(out.stdout)
         self.assertIsNotNone(match, out.stdout + out.stderr[-3000:])
@@ -52,7 +65,7 @@ class LaunchTest(parameterized.TestCase):
 
     def test_main_job_local_cluster_ends_every_process(self):
         logs = tempfile.mkdtemp()
-        out = _launch(
+        out = self._trained(
             [
                 "--epochs=2",
                 "--steps_per_epoch=20",
@@ -60,13 +73,9 @@ class LaunchTest(parameterized.TestCase):
                 f"--task_log_dir={logs}",
             ]
         )
-        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         self._check_result(out, 2, 20)
         self.assertIn("10 per function (unrolled)", out.stdout)
-        pids = json.loads(re.search(r"pids=(\[.*\])", out.stdout).group(1))
-        self.assertLen(pids, 3)
-        for pid in pids:
-            self.assertFalse(_alive(pid), f"task {pid} left behind")
+        self.assertLen(self._assert_tasks_ended(out), 3)
         # A task's lines go to its log, not the launcher's console (the
         # tasks are forks of it: see processes.TaskForker).
         self.assertNotIn("Serving ps:0", out.stdout + out.stderr)
@@ -78,8 +87,7 @@ class LaunchTest(parameterized.TestCase):
         # each worker task; each epoch one pass of the 1500 digits in
         # batches of 32 (47 or 48 batches, as the splits fall) shared by
         # whichever worker asks: 24 updates of 2 an epoch.
-        out = _launch(["--input_sharding=service", "--epochs=2"])
-        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        out = self._trained(["--input_sharding=service", "--epochs=2"])
         match = _RESULT.search(out.stdout)
         self.assertIsNotNone(match, out.stdout + out.stderr[-3000:])
         accuracy, applied, stale = match.groups()
@@ -90,9 +98,7 @@ class LaunchTest(parameterized.TestCase):
             re.search(r"accepted_per_worker=(\[.*?\])", out.stdout).group(1)
         )
         self.assertBetween(sum(pushes), 2 * 47, 2 * 48)
-        pids = json.loads(re.search(r"pids=(\[.*\])", out.stdout).group(1))
-        for pid in pids:
-            self.assertFalse(_alive(pid), f"task {pid} left behind")
+        self._assert_tasks_ended(out)
 
     def test_service_input_sharding_tf1_style_flags(self):
         # Every task gets --input_sharding=service and one port: the chief
@@ -266,7 +272,7 @@ class LaunchTest(parameterized.TestCase):
         self.assertIn(message, out.stderr)
 
     def test_mixed_float16_through_the_launcher(self):
-        out = _launch(
+        out = self._trained(
             [
                 "--epochs=2",
                 "--steps_per_epoch=20",
@@ -274,9 +280,36 @@ class LaunchTest(parameterized.TestCase):
                 "--num_gpus=0",
             ]
         )
-        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         self.assertIn("mixed_float16", out.stdout)
         self._check_result(out, 2, 20)
+
+    def test_tf1_shim_trains_the_main_jobs_variable_groups(self):
+        # digits' three rates (TF1's pattern) under one shim, a
+        # MultiOptimizer inside; TF1's order wastes a step after the start.
+        out = self._trained(
+            [
+                "--sync_optimizer=tf1_shim",
+                "--epochs=2",
+                "--steps_per_epoch=20",
+                "--verbosity=0",
+            ]
+        )
+        for line in (
+            "group 'conv kernels' learning_rate=0.01",
+            "group 'dense kernels' learning_rate=0.1",
+            "group 'biases' learning_rate=0.2",
+        ):
+            self.assertIn(line, out.stdout)
+        # The shim's summary has no stale count (TF1's drops are its order).
+        match = re.search(
+            r"accuracy=(\S+) sync_steps_applied=(\d+)", out.stdout
+        )
+        self.assertIsNotNone(match, out.stdout + out.stderr[-3000:])
+        accuracy, applied = match.groups()
+        self.assertGreater(float(accuracy), 0.3)
+        self.assertBetween(int(applied), 10, 20)
+        self.assertNotIn("invoked without using", out.stderr)
+        self._assert_tasks_ended(out)
 
     def test_worker_asking_for_more_gpus_than_it_has(self):
         port = tf2sync.testing.pick_free_ports(1)[0]
@@ -582,37 +615,6 @@ class JobModuleTest(absltest.TestCase):
             "working directory",
             returncode=None,
         )
-
-    def test_tf1_shim_trains_the_main_jobs_variable_groups(self):
-        # digits' three rates (TF1's pattern) under one shim, a
-        # MultiOptimizer inside; TF1's order wastes a step after the start.
-        out = _launch(
-            [
-                "--sync_optimizer=tf1_shim",
-                "--epochs=2",
-                "--steps_per_epoch=20",
-                "--verbosity=0",
-            ]
-        )
-        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
-        for line in (
-            "group 'conv kernels' learning_rate=0.01",
-            "group 'dense kernels' learning_rate=0.1",
-            "group 'biases' learning_rate=0.2",
-        ):
-            self.assertIn(line, out.stdout)
-        # The shim's summary has no stale count (TF1's drops are its order).
-        match = re.search(
-            r"accuracy=(\S+) sync_steps_applied=(\d+)", out.stdout
-        )
-        self.assertIsNotNone(match, out.stdout + out.stderr[-3000:])
-        accuracy, applied = match.groups()
-        self.assertGreater(float(accuracy), 0.3)
-        self.assertBetween(int(applied), 10, 20)
-        self.assertNotIn("invoked without using", out.stderr)
-        pids = json.loads(re.search(r"pids=(\[.*\])", out.stdout).group(1))
-        for pid in pids:
-            self.assertFalse(_alive(pid), f"task {pid} left behind")
 
 
 class DigitsJobTest(absltest.TestCase):

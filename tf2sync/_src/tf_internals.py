@@ -893,15 +893,11 @@ def repeat_keras_arrays(creator) -> None:
     shuffled as `fit`'s `shuffle` says; under PSS each worker iterates its
     own copy with one iterator for the whole `fit`, so a worker that runs
     more batches than those passes hold fails its step. Repeated, each
-    worker starts another pass instead. Its `dataset_fn` is replaced.
+    worker starts another pass instead. Its `dataset_fn` is replaced (by
+    one `is_keras_arrays_creator` no longer recognises: never twice).
     """
     make = creator.dataset_fn
-
-    def dataset_fn(input_context):
-        return make(input_context).repeat()
-
-    dataset_fn.__qualname__ = make.__qualname__  # still recognised
-    creator.dataset_fn = dataset_fn
+    creator.dataset_fn = lambda input_context: make(input_context).repeat()
 
 
 def new_iterator_each_epoch(handler) -> None:
@@ -1130,12 +1126,6 @@ def restore_epoch_logs_validator(model) -> None:
         del model._validate_and_get_metrics_result
 
 
-# tf_keras optimizers [2.21] [2.15: kept] -------------------------------------
-# Both families' update kernels, for `keras_compat` to call in the ps's
-# critical section, where the public `apply_gradients` (a `merge_call`;
-# `iterations` + 1 per caller) cannot run.
-
-
 def implements_train_batch_hooks(callback) -> bool:
     """Whether a tf_keras callback acts on training batches
     (`_implements_train_batch_hooks`: an overridden batch hook, a
@@ -1143,6 +1133,12 @@ def implements_train_batch_hooks(callback) -> bool:
     `TensorBoard` tracing) [2.21] [2.15]."""
     implements = getattr(callback, "_implements_train_batch_hooks", None)
     return bool(implements()) if implements is not None else False
+
+
+# tf_keras optimizers [2.21] [2.15: kept] -------------------------------------
+# Both families' update kernels, for `keras_compat` to call in the ps's
+# critical section, where the public `apply_gradients` (a `merge_call`;
+# `iterations` + 1 per caller) cannot run.
 
 
 def is_trackable(obj) -> bool:

@@ -576,13 +576,12 @@ class Trainer:
         each function's loss the mean of its steps'), fetched in order;
         with `verbose=1` a bar counting loops of `steps_per_loop` steps, or
         steps where the epoch is not a whole number of loops."""
-        bar = None
-        steps_total = sum(s for _, s in results)
-        # Loops, or steps where the epoch ends short of a loop.
-        unit = (
-            self.steps_per_loop if steps_total % self.steps_per_loop == 0 else 1
-        )
+        bar, unit = None, 1
         if self._verbose == 1:
+            steps_total = sum(s for _, s in results)
+            # Loops, or steps where the epoch ends short of a loop.
+            if steps_total % self.steps_per_loop == 0:
+                unit = self.steps_per_loop
             bar = tf_keras.utils.Progbar(
                 steps_total // unit,
                 unit_name="loop" if unit > 1 else "step",
