@@ -184,7 +184,9 @@ def _scheduler(model, coordinator, sync):
             logs = coordinator.schedule(function, args=(iterator,))
         if not getattr(model, "_tf2sync_epoch_end_warm", False):
             _warm_epoch_end(model)
-        return logs if sync is None else _WithSyncTotals(logs, sync)
+        return (
+            logs if sync is None else callbacks.LogsWithSyncTotals(logs, sync)
+        )
 
     schedule.functions = functions  # by steps (not tracked by Keras)
     return schedule
@@ -316,7 +318,8 @@ def _unrolled(model, steps, service=None, traces=None):
         )
     # Not a tf_keras `run_step` to the strategy (see
     # `tf_internals.is_keras_train_step`): the sync counters join the logs
-    # when they are fetched (`_WithSyncTotals`), not from the pushes.
+    # when they are fetched (`callbacks.LogsWithSyncTotals`), not from the
+    # pushes.
 
     def train_function(iterator):
         def run(data):
@@ -462,50 +465,3 @@ def _sync_optimizer(model):
         return callbacks.find_sync_optimizer(model.optimizer)
     except ValueError:
         return None
-
-
-class _WithSyncTotals(tf.distribute.experimental.coordinator.RemoteValue):
-    """The logs of one scheduled `fit` function, plus the sync totals.
-
-    The totals (`sync_steps`, `stale_dropped`, `nonfinite_dropped`,
-    `barrier_wait_s`, `accepted_w<i>`, `stale_w<i>`) are read from the ps
-    when the logs are fetched: at the end of an epoch that is after `fit`'s
-    `join`, so they are exact, and a progress bar (`verbose=1`) reads them
-    once it has waited for the function. The function itself does not
-    return them, so its pushes read nothing for the logs.
-    """
-
-    def __init__(self, logs, optimizer):
-        self._logs = logs
-        self._optimizer = optimizer
-
-    def _with_totals(self, logs, convert):
-        if not isinstance(logs, dict):
-            return logs
-        totals = callbacks.sync_totals(self._optimizer)
-        del totals["accepted"]  # not fit's keys
-        del totals["over_plan_dropped"]
-        return dict(logs, **{k: convert(v) for k, v in totals.items()})
-
-    def fetch(self):
-        """The logs as NumPy values, once the function has run."""
-        return self._with_totals(self._logs.fetch(), lambda v: v)
-
-    def get(self, *key_and_default):
-        """The logs as tensors, once the function has run.
-
-        Given a key (and a default), that entry of the fetched logs, as a
-        dict's `get`: callbacks that take fit's logs unconverted call
-        `logs.get("loss")` on them (`TerminateOnNaN`, which fails so under
-        stock PSS: its `RemoteValue.get` takes no key). A sync total is
-        read from the ps only when its key is asked for.
-        """
-        if not key_and_default:
-            return self._with_totals(self._logs.get(), tf.constant)
-        key, *default = key_and_default
-        logs = self._logs.fetch()
-        if not isinstance(logs, dict):
-            return default[0] if default else None
-        if key in logs:
-            return logs[key]
-        return self.fetch().get(key, *default)
