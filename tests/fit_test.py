@@ -97,6 +97,40 @@ def _ops(function):
     }
 
 
+def _unbuilt_dense_model():
+    """`testutil.dense_model`'s layers, seeded, with no input shape."""
+    return tf.keras.Sequential(
+        [
+            tf.keras.layers.Dense(
+                8,
+                activation="relu",
+                kernel_initializer=tf.keras.initializers.GlorotUniform(1),
+            ),
+            tf.keras.layers.Dense(
+                3, kernel_initializer=tf.keras.initializers.GlorotUniform(2)
+            ),
+        ]
+    )
+
+
+class _CondModel(tf.keras.Model):
+    """Logits of a Dense called in a `tf.cond` branch, then outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = tf.keras.layers.Dense(
+            3, kernel_initializer=tf.keras.initializers.GlorotUniform(1)
+        )
+
+    def call(self, x):
+        branch = tf.cond(
+            tf.reduce_sum(x) > 0.0,
+            lambda: self.hidden(x),
+            lambda: self.hidden(-x),
+        )
+        return branch + self.hidden(x)
+
+
 class FitTest(parameterized.TestCase):
     @parameterized.named_parameters(
         # 41 steps per epoch: not a multiple of the 2 workers. fit repeats
@@ -462,6 +496,43 @@ class FitTest(parameterized.TestCase):
         pred = np.argmax(local(x).numpy(), axis=1)
         self.assertAlmostEqual(accuracy, float(np.mean(pred == y)), places=5)
         self.assertEqual(int(optimizer.iterations.numpy()), 4)
+
+    @parameterized.named_parameters(
+        # No input shape: the model builds inside the traced step, each
+        # Dense first reading its kernel in a scratch graph (tf_keras's
+        # shape inference) and then in the step's.
+        ("sequential_without_input_shape_dataset", "unbuilt", False),
+        ("sequential_without_input_shape_arrays", "unbuilt", True),
+        # A layer first called in a tf.cond branch, then outside it.
+        ("layer_read_first_in_a_cond_branch", "cond", False),
+    )
+    def test_a_variable_read_first_in_a_nested_graph(self, kind, arrays):
+        # PSS's per-step read cache gave the nested graph's read to the
+        # step's graph: InaccessibleTensorError when the step was traced
+        # (stock PSS, which caches nothing in a step, trained).
+        opt_fn = lambda: tf.keras.optimizers.SGD(0.05)  # noqa: E731
+        model_fn = _unbuilt_dense_model if kind == "unbuilt" else _CondModel
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = model_fn()
+            if kind == "cond":
+                model.build((None, 4))
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(opt_fn()), loss=testutil.LOSS
+            )
+        x, y, ds = _full_batches()
+        if arrays:
+            model.fit(
+                x, y, batch_size=32, epochs=1, steps_per_epoch=8, verbose=0
+            )
+        else:
+            model.fit(ds, epochs=1, steps_per_epoch=8, verbose=0)
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 4)
+        expected = _reference(x, y, 4, opt_fn, model_fn)
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), expected.get_weights()),
+            1e-5,
+        )
 
     def test_arrays_train_more_steps_than_their_passes_hold(self):
         # tf_keras makes arrays a dataset of `epochs` passes (here 2 of one

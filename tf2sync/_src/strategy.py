@@ -93,6 +93,7 @@ class _SyncExtended(tf_internals.ParameterServerExtended):
         var = super()._create_variable(next_creator, **kwargs)
         for part in tf_internals.shards([var]):  # each shard on its ps
             if tf_internals.is_caching_variable(part):
+                tf_internals.cache_reads_per_graph(part)
                 self._tf2sync_variables[id(part)] = part  # for packed reads
         return var
 

@@ -332,6 +332,41 @@ def is_caching_variable(var) -> bool:
     return isinstance(var, ps_values.CachingVariable)
 
 
+class _PerGraphCachingVariable(ps_values.CachingVariable):
+    """A `CachingVariable` whose cached read is only reused where reachable.
+
+    PSS's cache (`cached_read_value`) returns one tensor per variable per
+    caching scope, whatever graph asks. A step that first reads a variable
+    inside a nested graph (a `tf.cond` branch, a `Sequential` inferring its
+    shapes in a scratch graph on its first call) then got that graph's
+    tensor outside it: `InaccessibleTensorError`. Here a cached read is
+    reused in its own graph and in graphs nested in it (which capture it);
+    elsewhere the variable is read again and that read becomes the cache.
+    """
+
+    __slots__ = ()
+
+    def cached_read_value(self):
+        cached = super().cached_read_value()
+        if tf.executing_eagerly():
+            return cached
+        graph = tf.compat.v1.get_default_graph()
+        while graph is not None:
+            if graph is cached.graph:
+                return cached
+            graph = getattr(graph, "outer_graph", None)
+        self._cache = None
+        return super().cached_read_value()
+
+
+def cache_reads_per_graph(var) -> None:
+    """Makes PSS's read cache of `var` (a `CachingVariable`) graph-aware:
+    see `_PerGraphCachingVariable` (a class swap: PSS's creator builds the
+    wrapper with no way to choose its class)."""
+    if type(var) is ps_values.CachingVariable:
+        var.__class__ = _PerGraphCachingVariable
+
+
 def is_sharded_variable(var) -> bool:
     """Whether `var` is a `ShardedVariable` (what PSS's creator returns for
     a partitioned variable; exported only as
