@@ -13,6 +13,7 @@ from absl.testing import parameterized
 
 import tf2sync
 from tf2sync._src import trainer as trainer_lib
+from tf2sync._src import trainer_checks
 
 _X, _Y = testutil.data("dense", 32)
 
@@ -183,7 +184,9 @@ class TrainerTest(parameterized.TestCase):
             (epoch_only, []),
         ):
             trainer = _trainer(_parts(), 4, callbacks=callbacks)
-            with mock.patch.object(trainer_lib.logging, "warning") as warning:
+            with mock.patch.object(
+                trainer_checks.logging, "warning"
+            ) as warning:
                 history = trainer.train(
                     _dataset_fn, epochs=1, steps_per_epoch=4
                 )
@@ -326,6 +329,20 @@ class TrainerTest(parameterized.TestCase):
             _trainer((strategy, model, plain), 2)
         self.assertEqual(int(second.iterations.numpy()), 2)
 
+    def test_a_model_without_weights_is_refused_in_one_line(self):
+        # Keras's "Weights for model 'sequential' have not yet been
+        # created" came from the optimizer's build, naming no argument.
+        strategy, _, optimizer = _parts()
+        with strategy.scope():
+            unbuilt = tf.keras.Sequential([tf.keras.layers.Dense(3)])
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^Trainer's `model` has no weights yet: .*`input_shape`.* "
+            r"Received: model='sequential\w*' \(built=False\)$",
+        ):
+            _trainer((strategy, unbuilt, optimizer), 2)
+        self.assertFalse(unbuilt.built)
+
     def test_each_local_replica_counts_its_share_of_the_workers_gradient(
         self,
     ):
@@ -333,8 +350,6 @@ class TrainerTest(parameterized.TestCase):
         # here): with n of them the Trainer scales each replica's loss by
         # 1/n, as fit's compiled loss does. Told there are 2, plain SGD at
         # 0.1 takes the steps of SGD at 0.05 with one.
-        from tf2sync._src import trainer as trainer_lib
-
         weights = []
         for rate, replicas in ((0.1, 2), (0.05, 1)):
             strategy = testutil.strategy(2, 1, replicas_to_aggregate=2)

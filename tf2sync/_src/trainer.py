@@ -4,25 +4,22 @@ from __future__ import annotations
 
 import collections
 import inspect
-import numbers
-import os
 import sys
 import time
 
 import tensorflow as tf
 import tf_keras
-from absl import logging
 
 from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import checkpointing
 from tf2sync._src import compat_v1
 from tf2sync._src import coordinator as coordinator_lib
 from tf2sync._src import data_service
-from tf2sync._src import flag_checks
 from tf2sync._src import loops
 from tf2sync._src import options as options_lib
 from tf2sync._src import step_context
 from tf2sync._src import tf_internals
+from tf2sync._src import trainer_checks as checks
 
 
 class Trainer:
@@ -125,10 +122,11 @@ class Trainer:
             `SyncOptimizer` replaced `optimizer`, or `checkpoint_dir` is a
             file or cannot be written or created.
         """
-        _check_loop_arguments(steps_per_loop, use_tf_while_loop)
-        self.options = _checked_options(strategy, options)
-        _check_optimizer(optimizer)
-        _check_checkpoint_dir(checkpoint_dir)
+        checks.loop_arguments(steps_per_loop, use_tf_while_loop)
+        self.options = checks.checked_options(strategy, options)
+        checks.optimizer(optimizer)
+        checks.model(model)
+        checks.checkpoint_dir(checkpoint_dir)
         self.strategy = strategy
         self.model = model
         self.optimizer = optimizer
@@ -197,7 +195,7 @@ class Trainer:
         replicas = 1 if self._shim else _local_replicas()
         with tf.GradientTape() as tape:
             loss = loss_fn(y, self.model(x, training=True))
-            _check_scalar_loss(loss, self.loss_fn)
+            checks.scalar_loss(loss, self.loss_fn)
             if self.model.losses:  # regularizers, add_loss: as fit adds
                 loss += tf.add_n(self.model.losses)
             # The SyncOptimizer sums a worker's local replicas (GPUs): each
@@ -357,8 +355,8 @@ class Trainer:
             sync._check_current()
         service = isinstance(dataset_fn, data_service.ServicePassPerEpoch)
         if not service:
-            _check_dataset_fn(dataset_fn)
-        self._check_steps_per_epoch(steps_per_epoch, service)
+            checks.dataset_fn(dataset_fn)
+        checks.steps_per_epoch(steps_per_epoch, service, self._shim)
         self._restore_latest_checkpoint()
         if self._saver:  # traced while every task answers
             self._saver.prepare()
@@ -397,7 +395,7 @@ class Trainer:
             rest_fn = None
             if rest:
                 rest_fn = single or self._loop_function(steps=1)
-        _warn_batch_hooks_uncalled(self._callbacks)
+        checks.warn_batch_hooks_uncalled(self._callbacks)
         callbacks_lib.use_optimizer(self._callbacks, self.optimizer)
         callback_list.on_train_begin()
         for epoch in range(start_epoch, epochs):
@@ -425,34 +423,6 @@ class Trainer:
         if self._shim:  # its watchdog; the next train() restarts it
             self.optimizer.make_session_run_hook(is_chief=True).end()
         return history
-
-    def _check_steps_per_epoch(self, steps_per_epoch, service=False):
-        """Raises `ValueError` unless a positive int (None with a
-        `ServicePassPerEpoch`, which the shim cannot read)."""
-        if service:
-            if self._shim:
-                raise ValueError(
-                    "A `tf2sync.ServicePassPerEpoch` needs a "
-                    "`tf2sync.SyncOptimizer` (an epoch ending with its data "
-                    "applies its last, incomplete step); received the TF1 "
-                    "shim: optimizer=SyncReplicasOptimizer"
-                )
-            if steps_per_epoch is not None:
-                raise ValueError(
-                    "With a `tf2sync.ServicePassPerEpoch` an epoch is one pass "
-                    "of its data: leave `steps_per_epoch` None. Received: "
-                    f"steps_per_epoch={steps_per_epoch!r}"
-                )
-            return
-        if (
-            not isinstance(steps_per_epoch, numbers.Integral)
-            or isinstance(steps_per_epoch, bool)
-            or steps_per_epoch <= 0
-        ):
-            raise ValueError(
-                "`steps_per_epoch` must be a positive int. Received: "
-                f"steps_per_epoch={steps_per_epoch!r}"
-            )
 
     def _restore_latest_checkpoint(self):
         """Restores the latest checkpoint of `checkpoint_dir`, if any."""
@@ -618,29 +588,6 @@ class _Run:
     """Identifies one `Trainer.train` call to `SyncCoordinator.plan_epoch`."""
 
 
-def _check_loop_arguments(steps_per_loop, use_tf_while_loop) -> None:
-    """Raises `ValueError` for the loop arguments `Trainer` refuses."""
-    if not isinstance(steps_per_loop, int) or steps_per_loop <= 0:
-        raise ValueError(
-            "`steps_per_loop` must be a positive int. Received: "
-            f"steps_per_loop={steps_per_loop!r}"
-        )
-    if use_tf_while_loop is not None and not isinstance(
-        use_tf_while_loop, bool
-    ):
-        raise ValueError(
-            "`use_tf_while_loop` must be None, True or False. Received: "
-            f"use_tf_while_loop={use_tf_while_loop!r}"
-        )
-
-
-def _checked_options(strategy, options):
-    """`options` checked; the strategy's when None."""
-    if options is None:
-        options = options_lib.of_strategy(strategy)
-    return options_lib.check(options)
-
-
 def _resolved_verbose(verbose):
     """`verbose`, with "auto" resolved: 1 in a terminal, 2 otherwise."""
     if verbose == "auto":
@@ -652,56 +599,6 @@ def _local_replicas() -> int:
     """Replicas of this worker's step (its GPUs; 1 on CPU), from the
     replica context `strategy.run` enters."""
     return tf.distribute.get_replica_context().num_replicas_in_sync
-
-
-def _check_optimizer(optimizer):
-    """Raises `TypeError` unless the trainer can step through `optimizer`."""
-    if isinstance(optimizer, compat_v1.SyncReplicasOptimizer):
-        return
-    try:
-        callbacks_lib.find_sync_optimizer(optimizer)
-    except ValueError:
-        raise TypeError(
-            "Trainer's `optimizer` must be a tf2sync.SyncOptimizer (or a "
-            "tf2sync.compat.v1.SyncReplicasOptimizer): another optimizer "
-            "would train asynchronously. Received: "
-            f"optimizer={optimizer!r}"
-        ) from None
-
-
-def _check_dataset_fn(dataset_fn):
-    """Refuses a `dataset_fn` that is not callable (a dataset, arrays)."""
-    if callable(dataset_fn):
-        return
-    hint = ""
-    if isinstance(dataset_fn, tf.data.Dataset):
-        hint = (
-            " (a tf.data.Dataset: build it inside the function, or pass "
-            "`lambda input_context: dataset` for each worker to read its "
-            "own copy)"
-        )
-    raise TypeError(
-        "`dataset_fn` must be a function `dataset_fn(input_context) -> "
-        "tf.data.Dataset`, called on each worker, or a "
-        f"tf2sync.ServicePassPerEpoch{hint}. Received: "
-        f"dataset_fn={type(dataset_fn).__name__}"
-    )
-
-
-def _check_scalar_loss(loss, loss_fn):
-    """Refuses, while tracing, a loss that is not a scalar (a `Loss` of
-    `NONE` reduction, as tf_keras's error under a strategy advises): its
-    gradient would be the batch's sum, `batch size` times the mean's,
-    which `fit` takes."""
-    rank = tf.TensorShape(getattr(loss, "shape", None)).rank
-    if rank is not None and rank > 0:
-        raise ValueError(
-            "`loss_fn` must return a scalar, the mean over the replica's "
-            f"batch; it returned shape {loss.shape.as_list()}. Use a "
-            "tf.keras loss with its default reduction, or tf.reduce_mean. "
-            "Received: "
-            f"loss_fn={loss_fn!r}"
-        )
 
 
 def _converted(fn):
@@ -719,40 +616,3 @@ def _converted(fn):
         return tf.autograph.to_graph(fn)
     except Exception:  # noqa: BLE001 - source not available: as written
         return fn
-
-
-def _warn_batch_hooks_uncalled(callbacks) -> None:
-    """Says which callbacks act on batches, hooks a `Trainer` never calls.
-
-    It calls the epoch and train hooks only: its functions run loops of
-    steps on the workers, with no batch in between for a hook (a
-    `ModelCheckpoint(save_freq=N)` would never save). Progress bars are
-    its own business (`verbose`, `SyncMetrics`).
-    """
-    names = [
-        type(c).__name__
-        for c in callbacks
-        if not isinstance(c, tf_keras.callbacks.ProgbarLogger)
-        and tf_internals.implements_train_batch_hooks(c)
-    ]
-    if names:
-        logging.warning(
-            "tf2sync.Trainer calls the callbacks' epoch hooks only: the batch "
-            "hooks of %s will not be called (save or log per epoch, e.g. "
-            "ModelCheckpoint(save_freq='epoch'), or train with model.fit).",
-            ", ".join(names),
-        )
-
-
-def _check_checkpoint_dir(checkpoint_dir) -> None:
-    """Refuses a `checkpoint_dir` the first save could not write (a file,
-    a directory it cannot write or create), before anything trains."""
-    if checkpoint_dir is None:
-        return
-    path = os.fspath(checkpoint_dir)
-    problem = flag_checks.directory_problem(path, writable=True)
-    if problem:
-        raise ValueError(
-            f"`checkpoint_dir`: {problem}. Received: "
-            f"checkpoint_dir={checkpoint_dir!r}"
-        )
