@@ -714,6 +714,44 @@ class ConfigErrorTest(parameterized.TestCase):
                 r"optimizer='sgd'",
             ):
                 tf2sync.SyncOptimizer("sgd")
+            sgd = tf.keras.optimizers.SGD(0.1)
+            with self.assertRaisesRegex(
+                TypeError,
+                r"^`optimizers_and_layers` must be a list of \(optimizer, "
+                r"layer or layers\) pairs. Received: "
+                r"optimizers_and_layers\[0\]=<tf_keras.*SGD",
+            ):
+                tf2sync.MultiOptimizer([sgd])
+
+    def test_an_optimizer_already_synchronous_is_refused_as_an_inner_one(
+        self,
+    ):
+        # Each failed at its first step with tf_keras's "NotImplementedError:
+        # `_resource_apply_dense` must be implemented in subclasses".
+        already = r"is already (a tf2sync.SyncOptimizer|synchronous): give "
+        with testutil.strategy(2, replicas_to_aggregate=2).scope():
+            sync = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+            with self.assertRaisesRegex(TypeError, "^`optimizer` " + already):
+                tf2sync.SyncOptimizer(sync)
+            with self.assertRaisesRegex(
+                TypeError, "^`group optimizer` " + already
+            ):
+                tf2sync.MultiOptimizer(groups={"kernel": sync})
+            with self.assertRaisesRegex(TypeError, "^`opt` " + already):
+                tf2sync.compat.v1.SyncReplicasOptimizer(
+                    sync, replicas_to_aggregate=2
+                )
+        with testutil.strategy(2, replicas_to_aggregate=2).scope():
+            shim = tf2sync.compat.v1.SyncReplicasOptimizer(
+                tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                replicas_to_aggregate=2,
+            )
+            with self.assertRaisesRegex(
+                TypeError, "^`opt` " + already + r".* Received: opt=<tf2sync"
+            ):
+                tf2sync.compat.v1.SyncReplicasOptimizer(
+                    shim, replicas_to_aggregate=2
+                )
 
     def test_model_built_outside_the_scope_fit(self):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)

@@ -61,8 +61,25 @@ def _tfa_route(optimizer, items, name_of):
     return groups
 
 
+def is_synchronous(optimizer) -> bool:
+    """Whether `optimizer` is a `tf2sync.SyncOptimizer` (or its loss-scaled
+    form, whose `inner_optimizer` is one)."""
+    return any(
+        getattr(type(o), "_tf2sync_synchronous", False)
+        for o in (optimizer, getattr(optimizer, "inner_optimizer", None))
+    )
+
+
 def check_optimizer(optimizer, argument="optimizer"):
-    """Raises a clear `TypeError` unless `optimizer` is a tf_keras optimizer."""
+    """Raises a clear `TypeError` unless `optimizer` is a tf_keras optimizer
+    (and not already a `tf2sync.SyncOptimizer`)."""
+    if is_synchronous(optimizer):
+        raise TypeError(
+            f"`{argument}` is already a tf2sync.SyncOptimizer: give the "
+            "optimizer it wraps. One SyncOptimizer goes around the model's "
+            "whole optimizer (around a tf2sync.MultiOptimizer for variable "
+            f"groups). Received: {argument}={optimizer!r}"
+        )
     if isinstance(optimizer, (_NEW, _LEGACY)):
         if is_tfa_multi(optimizer):
             for spec_optimizer, _ in _tfa_specs(optimizer):

@@ -127,12 +127,21 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
           name: Name of this optimizer.
 
         Raises:
-          TypeError: If an optimizer is not a tf_keras optimizer.
+          TypeError: If an optimizer is not a tf_keras optimizer (or is a
+            `tf2sync.SyncOptimizer`), or an item of `optimizers_and_layers`
+            is not a pair.
           ValueError: If no group is given.
         """
         super().__init__(name=name)
         specs = []
-        for optimizer, target in optimizers_and_layers or []:
+        for i, pair in enumerate(optimizers_and_layers or []):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise TypeError(
+                    "`optimizers_and_layers` must be a list of (optimizer, "
+                    "layer or layers) pairs. Received: "
+                    f"optimizers_and_layers[{i}]={pair!r}"
+                )
+            optimizer, target = pair
             specs.append(("layers", target, optimizer))
         for key, optimizer in (groups or {}).items():
             kind = "regex" if isinstance(key, str) else "callable"

@@ -62,6 +62,9 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
                 loss="sparse_categorical_crossentropy")
     """
 
+    # Marks the class for `keras_compat.is_synchronous` (no import cycle).
+    _tf2sync_synchronous = True
+
     def __new__(cls, optimizer, *args, **kwargs):
         from tf2sync._src import loss_scale
 
@@ -95,7 +98,8 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
           name: Name of the wrapper; defaults to "Sync" + the inner name.
 
         Raises:
-          TypeError: If `optimizer` is not a tf_keras optimizer.
+          TypeError: If `optimizer` is not a tf_keras optimizer, or is
+            already a `SyncOptimizer`.
           ValueError: If not created under a `SyncParameterServerStrategy`
             scope, if that strategy has a `tf2sync.compat.v1` optimizer or
             is running steps of its current `SyncOptimizer`, or if

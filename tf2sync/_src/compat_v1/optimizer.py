@@ -129,10 +129,20 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
           name: Name prefix of the created resources.
 
         Raises:
-          TypeError: If `opt` is neither kind of optimizer, or a count is
-            not an int.
+          TypeError: If `opt` is neither kind of optimizer (or is already
+            synchronous: a shim or a `tf2sync.SyncOptimizer`), or a count
+            is not an int.
           ValueError: If a count is not positive.
         """
+        if isinstance(
+            opt, SyncReplicasOptimizer
+        ) or keras_compat.is_synchronous(opt):
+            raise TypeError(
+                "`opt` is already synchronous: give the optimizer it wraps "
+                "(one SyncReplicasOptimizer goes around the whole optimizer, "
+                "around a tf2sync.MultiOptimizer for variable groups). "
+                f"Received: opt={opt!r}"
+            )
         if not isinstance(opt, (tf.compat.v1.train.Optimizer, *_KERAS)):
             raise TypeError(
                 "`opt` must be a tf.compat.v1.train.Optimizer or a tf_keras "
