@@ -856,6 +856,18 @@ class ConfigErrorTest(parameterized.TestCase):
                 testutil.cluster(2, 1), **kwargs
             )
 
+    def test_no_cluster_resolver(self):
+        # Was PSS's AttributeError: 'NoneType' ... 'cluster_spec'.
+        for resolver in (None, "127.0.0.1:2222"):
+            with self.assertRaisesRegex(
+                TypeError,
+                r"^`cluster_resolver` must be a tf.distribute.cluster_resolver"
+                r"\.ClusterResolver .* Received: cluster_resolver=",
+            ):
+                tf2sync.SyncParameterServerStrategy(
+                    resolver, replicas_to_aggregate=2
+                )
+
 
 if __name__ == "__main__":
     absltest.main()

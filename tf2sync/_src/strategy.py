@@ -184,11 +184,20 @@ class SyncParameterServerStrategy(
             `strategy.options`); `None` means `SyncOptions()`.
 
         Raises:
-          TypeError: If a count is not an int, or `options` not a
-            `tf2sync.SyncOptions`.
+          TypeError: If `cluster_resolver` is not a `ClusterResolver`, a
+            count is not an int, or `options` not a `tf2sync.SyncOptions`.
           ValueError: If a count is not positive, or the partitioner is not
             callable or returns something other than `[n >= 1, 1, ...]`.
         """
+        if not isinstance(
+            cluster_resolver, tf.distribute.cluster_resolver.ClusterResolver
+        ):
+            raise TypeError(
+                "`cluster_resolver` must be a tf.distribute.cluster_resolver."
+                "ClusterResolver (TFConfigClusterResolver(), or "
+                "tf2sync.testing.local_cluster(...) for a local cluster). "
+                f"Received: cluster_resolver={cluster_resolver!r}"
+            )
         self._sync_config = config_lib.SyncConfig.create(
             replicas_to_aggregate, total_num_replicas
         )
