@@ -97,18 +97,21 @@ def _ops(function):
     }
 
 
-def _unbuilt_dense_model():
-    """`testutil.dense_model`'s layers, seeded, with no input shape."""
+def _unbuilt_dense_model(constant=False):
+    """`testutil.dense_model`'s layers with no input shape, seeded (or
+    constant: a shard of a seeded initializer draws its own values)."""
+
+    def initializer(seed):
+        if constant:
+            return tf.keras.initializers.Constant(0.1 * seed)
+        return tf.keras.initializers.GlorotUniform(seed)
+
     return tf.keras.Sequential(
         [
             tf.keras.layers.Dense(
-                8,
-                activation="relu",
-                kernel_initializer=tf.keras.initializers.GlorotUniform(1),
+                8, activation="relu", kernel_initializer=initializer(1)
             ),
-            tf.keras.layers.Dense(
-                3, kernel_initializer=tf.keras.initializers.GlorotUniform(2)
-            ),
+            tf.keras.layers.Dense(3, kernel_initializer=initializer(2)),
         ]
     )
 
@@ -505,14 +508,29 @@ class FitTest(parameterized.TestCase):
         ("sequential_without_input_shape_arrays", "unbuilt", True),
         # A layer first called in a tf.cond branch, then outside it.
         ("layer_read_first_in_a_cond_branch", "cond", False),
+        # Its kernels in 2 shards each (one ps: both on it).
+        ("sharded_sequential_without_input_shape", "sharded", False),
     )
     def test_a_variable_read_first_in_a_nested_graph(self, kind, arrays):
         # PSS's per-step read cache gave the nested graph's read to the
         # step's graph: InaccessibleTensorError when the step was traced
         # (stock PSS, which caches nothing in a step, trained).
         opt_fn = lambda: tf.keras.optimizers.SGD(0.05)  # noqa: E731
-        model_fn = _unbuilt_dense_model if kind == "unbuilt" else _CondModel
-        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        model_fn = {
+            "unbuilt": _unbuilt_dense_model,
+            "cond": _CondModel,
+            "sharded": lambda: _unbuilt_dense_model(constant=True),
+        }[kind]
+        partitioner = None
+        if kind == "sharded":
+            partitioner = (
+                tf.distribute.experimental.partitioners.FixedShardsPartitioner(
+                    2
+                )
+            )
+        strategy = testutil.strategy(
+            2, replicas_to_aggregate=2, variable_partitioner=partitioner
+        )
         with strategy.scope():
             model = model_fn()
             if kind == "cond":
@@ -529,10 +547,18 @@ class FitTest(parameterized.TestCase):
             model.fit(ds, epochs=1, steps_per_epoch=8, verbose=0)
         self.assertEqual(int(model.optimizer.iterations.numpy()), 4)
         expected = _reference(x, y, 4, opt_fn, model_fn)
+        # The outputs: a sharded model's weights are its shards.
         self.assertLess(
-            testutil.max_abs_diff(model.get_weights(), expected.get_weights()),
+            float(np.max(np.abs(model(x).numpy() - expected(x).numpy()))),
             1e-5,
         )
+        if kind != "sharded":
+            self.assertLess(
+                testutil.max_abs_diff(
+                    model.get_weights(), expected.get_weights()
+                ),
+                1e-5,
+            )
 
     def test_arrays_train_more_steps_than_their_passes_hold(self):
         # tf_keras makes arrays a dataset of `epochs` passes (here 2 of one
