@@ -488,13 +488,18 @@ class TrainerTest(parameterized.TestCase):
         ("grouped", None),
         # Epochs of 6: a loop of 4, then 2 single steps.
         ("grouped_epochs_short_of_a_loop", None, 6),
+        # TF1's rate per variable group: a tf2sync.MultiOptimizer of
+        # momentum SGDs inside the shim, its slots resumed per group.
+        ("variable_groups", None, 8, True),
     )
     def test_tf1_shim_trains_and_resumes_on_the_exact_trajectory(
-        self, use_tf_while_loop, steps_per_epoch=8
+        self, use_tf_while_loop, steps_per_epoch=8, groups=False
     ):
         # Both workers see the same full batch: every accepted gradient is
         # the full-batch gradient at the current weights, so U rounds give
         # U single-process steps of TF1's momentum, across a resume too.
+        rates = {"kernel": 0.1, "bias": 0.2 if groups else 0.1}
+
         def parts(seed):
             strategy = testutil.strategy(
                 2,
@@ -503,9 +508,17 @@ class TrainerTest(parameterized.TestCase):
             )
             with strategy.scope():
                 model = testutil.dense_model(seed)
-                optimizer = tf2sync.compat.v1.SyncReplicasOptimizer(
-                    tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), 2
-                )
+                inner = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+                if groups:
+                    inner = tf2sync.MultiOptimizer(
+                        groups={
+                            key: tf.keras.optimizers.legacy.SGD(
+                                rate, momentum=0.9
+                            )
+                            for key, rate in rates.items()
+                        }
+                    )
+                optimizer = tf2sync.compat.v1.SyncReplicasOptimizer(inner, 2)
             return strategy, model, optimizer
 
         directory = tempfile.mkdtemp()
@@ -534,13 +547,19 @@ class TrainerTest(parameterized.TestCase):
         )
         reference = testutil.dense_model(0)
         reference.set_weights(initial)
-        inner = tf.compat.v1.train.MomentumOptimizer(0.1, 0.9)
+        per_group = {
+            key: tf.compat.v1.train.MomentumOptimizer(rate, 0.9)
+            for key, rate in rates.items()
+        }
         for _ in range(updates):
             with tf.GradientTape() as tape:
                 loss = testutil.mean_loss(_Y, reference(_X))
             variables = reference.trainable_variables
             grads = tape.gradient(loss, variables)
-            inner.apply_gradients(zip(grads, variables))
+            for key, inner in per_group.items():
+                inner.apply_gradients(
+                    [(g, v) for g, v in zip(grads, variables) if key in v.name]
+                )
         self.assertLess(
             testutil.max_abs_diff(model.get_weights(), reference.get_weights()),
             1e-5,
