@@ -1033,6 +1033,23 @@ class FitTest(absltest.TestCase):
                 )
         for got, want in zip(model.get_weights(), reference.get_weights()):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        # TF1's get_slot through the shim: each variable's group's momentum
+        # (the MultiOptimizer routes it; it raised KeyError). tf_keras keeps
+        # the velocity, -rate x TF1's accumulator.
+        self.assertEqual(opt.get_slot_names(), ["momentum"])
+        rates = {"kernel": self.LR, "bias": 2 * self.LR}
+        for var, ref in zip(
+            model.trainable_variables, reference.trainable_variables
+        ):
+            key = "kernel" if "kernel" in var.name else "bias"
+            np.testing.assert_allclose(
+                -opt.get_slot(var, "momentum").numpy() / rates[key],
+                per_group[key].get_slot(ref, "momentum").numpy(),
+                rtol=1e-4,
+                atol=1e-5,
+            )
+        with self.assertRaisesRegex(KeyError, r"is in no group of"):
+            opt.get_slot(reference.trainable_variables[0], "momentum")
 
 
 class ExampleTest(absltest.TestCase):

@@ -300,6 +300,40 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
         with tf.control_dependencies([o for o in ops if o is not None]):
             return self.iterations.assign_add(1)
 
+    def get_slot_names(self):
+        """The slot names of every group's optimizer, each once, in group
+        order (a new-family optimizer has none to list)."""
+        names = []
+        for optimizer in self.optimizers:
+            slot_names = getattr(optimizer, "get_slot_names", None)
+            for name in slot_names() if slot_names else ():
+                if name not in names:
+                    names.append(name)
+        return names
+
+    def get_slot(self, var, slot_name):
+        """The slot `slot_name` of `var` in the optimizer of `var`'s group
+        (a legacy one; see `get_slot_names`).
+
+        Raises:
+          KeyError: If `var` is in no group (the groups are routed over the
+            model's trainable variables when built, at the latest at the
+            first step), or its group's optimizer has no such slot.
+        """
+        index = (self._routes or {}).get(id(var))
+        if index is None:
+            raise KeyError(
+                f"{getattr(var, 'name', var)!r} is in no group of "
+                f"MultiOptimizer {self._name!r}: pass one of the variables "
+                "it was built over (the model's trainable variables, routed "
+                "at the latest at the first step)."
+            )
+        return self.optimizers[index].get_slot(var, slot_name)
+
+    def __dir__(self):
+        # The slots are saved through each group's optimizer (a child).
+        return tf_internals.dir_without_slot_owner(super().__dir__())
+
     def variables(self):
         out = [self.iterations]
         for optimizer in self.optimizers:
