@@ -4,6 +4,7 @@ Each test compares against a single-process reference: synchronous training
 with N replicas at batch B must follow single-process training at batch N*B.
 """
 
+import collections
 import os
 import tempfile
 from unittest import mock
@@ -162,6 +163,45 @@ class PackedReadTest(absltest.TestCase):
         self.assertIn("/job:ps/", concat.device)
         self.assertLen(concat.inputs, 4 + 1)  # the reads and the axis
         self.assertLen(splits[0].outputs, 4)
+
+
+class ReadCacheTest(absltest.TestCase):
+    def test_a_variable_is_read_once_in_a_step_and_its_cond_branches(self):
+        # The step's one read per variable (which the packing builds on)
+        # also serves a tf.cond branch, which captures it; a read first
+        # made in the branch must not serve the step (fit_test covers that).
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        x, y = testutil.data("dense", 8)
+        with strategy.scope():
+            hidden = tf.keras.layers.Dense(3)
+            hidden.build((None, 4))
+            opt = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+        variables = hidden.trainable_variables
+
+        def replica(x):
+            with tf.GradientTape() as tape:
+                first = hidden(x)
+                branch = tf.cond(
+                    tf.reduce_sum(x) > 0.0,
+                    lambda: hidden(x),
+                    lambda: hidden(-x),
+                )
+                logits = first + branch + hidden(x)
+                loss = testutil.mean_loss(y, logits)
+            grads = tape.gradient(loss, variables)
+            opt.apply_gradients(zip(grads, variables))
+
+        function = tf.function(lambda x: strategy.run(replica, args=(x,)))
+        graph = function.get_concrete_function(tf.constant(x)).graph
+        outer_of = {id(inner): outer for outer, inner in graph.captures}
+        names = {id(v.handle): v.name for v in variables}
+        reads = collections.Counter(
+            names.get(id(outer_of.get(id(op.inputs[0]))))
+            for op in graph.get_operations()
+            if op.type == "ReadVariableOp"
+        )
+        for var in variables:
+            self.assertEqual(reads[var.name], 1, var.name)
 
 
 class TagOrderTest(absltest.TestCase):

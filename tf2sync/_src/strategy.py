@@ -92,8 +92,8 @@ class _SyncExtended(tf_internals.ParameterServerExtended):
     def _create_variable(self, next_creator, **kwargs):
         var = super()._create_variable(next_creator, **kwargs)
         for part in tf_internals.shards([var]):  # each shard on its ps
+            tf_internals.cache_reads_per_graph(part)
             if tf_internals.is_caching_variable(part):
-                tf_internals.cache_reads_per_graph(part)
                 self._tf2sync_variables[id(part)] = part  # for packed reads
         return var
 

@@ -348,11 +348,12 @@ class _PerGraphCachingVariable(ps_values.CachingVariable):
 
     def cached_read_value(self):
         cached = super().cached_read_value()
-        if tf.executing_eagerly():
-            return cached
+        cached_graph = getattr(cached, "graph", None)  # None: eager
+        if tf.executing_eagerly():  # under `init_scope` in a step
+            return cached if cached_graph is None else self._v.read_value()
         graph = tf.compat.v1.get_default_graph()
         while graph is not None:
-            if graph is cached.graph:
+            if graph is cached_graph:
                 return cached
             graph = getattr(graph, "outer_graph", None)
         self._cache = None
@@ -360,9 +361,13 @@ class _PerGraphCachingVariable(ps_values.CachingVariable):
 
 
 def cache_reads_per_graph(var) -> None:
-    """Makes PSS's read cache of `var` (a `CachingVariable`) graph-aware:
-    see `_PerGraphCachingVariable` (a class swap: PSS's creator builds the
-    wrapper with no way to choose its class)."""
+    """Makes PSS's read cache of `var` graph-aware: see
+    `_PerGraphCachingVariable` (a class swap: PSS's creator builds the
+    wrapper with no way to choose its class). `var`: a `CachingVariable`,
+    or the `AggregatingVariable` PSS wraps around one on workers with
+    several GPUs (its reads go through the cache it wraps)."""
+    if isinstance(var, ps_values.AggregatingVariable):
+        var = var.get()
     if type(var) is ps_values.CachingVariable:
         var.__class__ = _PerGraphCachingVariable
 
