@@ -792,6 +792,16 @@ class ConfigErrorTest(parameterized.TestCase):
                 tf2sync.compat.v1.SyncReplicasOptimizer(
                     shim, replicas_to_aggregate=2
                 )
+            # TF1's own, left in while migrating.
+            tf1 = tf.compat.v1.train.SyncReplicasOptimizer(
+                tf.compat.v1.train.GradientDescentOptimizer(0.1), 2
+            )
+            with self.assertRaisesRegex(
+                TypeError, "^`opt` " + already + r".* Received: opt=<tensorflow"
+            ):
+                tf2sync.compat.v1.SyncReplicasOptimizer(
+                    tf1, replicas_to_aggregate=2
+                )
 
     def test_model_built_outside_the_scope_fit(self):
         strategy = testutil.strategy(2, replicas_to_aggregate=2)

@@ -135,7 +135,8 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
           ValueError: If a count is not positive.
         """
         if isinstance(
-            opt, SyncReplicasOptimizer
+            opt,
+            (SyncReplicasOptimizer, tf.compat.v1.train.SyncReplicasOptimizer),
         ) or keras_compat.is_synchronous(opt):
             raise TypeError(
                 "`opt` is already synchronous: give the optimizer it wraps "
