@@ -8,6 +8,7 @@ import testutil
 from absl.testing import absltest
 
 import tf2sync
+from tf2sync._src import tf_internals
 
 
 def _two_towers():
@@ -328,6 +329,51 @@ class GroupStateTest(absltest.TestCase):
         # Training resumes from the restored step: no stale leftovers.
         self._fit(model, 2)
         self.assertEqual(int(multi.iterations.numpy()), 3)
+
+
+class SlotTest(absltest.TestCase):
+    def test_get_slot_reads_the_group_of_a_variable_its_shards_too(self):
+        # TF1 code reads slots through the optimizer it holds (a shim or
+        # SyncOptimizer around the router): the router raised KeyError.
+        partitioner = (
+            tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
+        )
+        strategy = testutil.strategy(
+            2, replicas_to_aggregate=2, variable_partitioner=partitioner
+        )
+        with strategy.scope():
+            model = testutil.sparse_model()
+            kernels = tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9)
+            rest = tf.keras.optimizers.legacy.SGD(0.2, momentum=0.5)
+            multi = tf2sync.MultiOptimizer(
+                groups={"embeddings": kernels}, default=rest
+            )
+            opt = tf2sync.SyncOptimizer(multi)
+            model.compile(optimizer=opt, loss=testutil.LOSS)
+        x, y = testutil.data("sparse", 16)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=1, steps_per_epoch=4, verbose=0)
+        self.assertEqual(opt.get_slot_names(), ["momentum"])
+        table = model.layers[0].embeddings  # a ShardedVariable of 2
+        whole = opt.get_slot(table, "momentum")
+        parts = [opt.get_slot(s, "momentum") for s in table.variables]
+        self.assertLen(parts, 2)
+        np.testing.assert_array_equal(
+            tf.convert_to_tensor(whole).numpy(),
+            np.concatenate([p.numpy() for p in parts]),
+        )
+        self.assertGreater(np.abs(tf.convert_to_tensor(whole).numpy()).sum(), 0)
+        for shard in table.variables:  # each the group's own slot
+            self.assertIs(
+                opt.get_slot(shard, "momentum"),
+                kernels.get_slot(shard, "momentum"),
+            )
+        kernel = model.layers[-1].kernel
+        for shard in tf_internals.shards([kernel]):
+            self.assertIs(
+                opt.get_slot(shard, "momentum"),
+                rest.get_slot(shard, "momentum"),
+            )
 
 
 class SavingTest(absltest.TestCase):

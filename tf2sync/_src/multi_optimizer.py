@@ -320,7 +320,8 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
             model's trainable variables when built, at the latest at the
             first step), or its group's optimizer has no such slot.
         """
-        index = (self._routes or {}).get(id(var))
+        # A sharded variable is routed by its shards, all in one group.
+        index = (self._routes or {}).get(id(tf_internals.shards([var])[0]))
         if index is None:
             raise KeyError(
                 f"{getattr(var, 'name', var)!r} is in no group of "
