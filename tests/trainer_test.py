@@ -4,6 +4,7 @@ import contextlib
 import io
 import os
 import tempfile
+import threading
 from unittest import mock
 
 import tensorflow as tf
@@ -36,13 +37,13 @@ def _parts(seed=0, num_ps=1):
 def _trainer(parts, steps_per_loop, cls=tf2sync.Trainer, **kwargs):
     """A silent trainer of `parts` (strategy, model, optimizer)."""
     strategy, model, optimizer = parts
+    kwargs.setdefault("loss_fn", testutil.mean_loss)
+    kwargs.setdefault("verbose", 0)
     return cls(
         strategy=strategy,
         model=model,
         optimizer=optimizer,
-        loss_fn=testutil.mean_loss,
         steps_per_loop=steps_per_loop,
-        verbose=0,
         **kwargs,
     )
 
@@ -293,6 +294,108 @@ class TrainerTest(parameterized.TestCase):
         ):
             trainer.train(dataset, epochs=1, steps_per_epoch=4)
         self.assertEqual(int(parts[2].iterations.numpy()), 0)
+
+    def test_arguments_given_the_way_a_tired_user_gives_them(self):
+        # Each failed later with Python's or TF's words ("'NoneType' object
+        # is not callable", "<lambda>() takes 0 positional arguments",
+        # "Iterating over a symbolic `tf.Tensor`"), or was taken silently
+        # (verbose=3); each is now one line naming the argument.
+        parts = _parts()
+        for kwargs, error, message in (
+            ({"loss_fn": None}, ValueError, r"needs `loss_fn`.* loss_fn=None$"),
+            ({"loss_fn": "no_such"}, ValueError, r"no loss named 'no_such'"),
+            ({"loss_fn": 3}, TypeError, r"Received: loss_fn=3$"),
+            ({"verbose": 3}, ValueError, r"Received: verbose=3$"),
+            ({"callbacks": ["tb"]}, TypeError, r"callbacks\[0\]='tb'$"),
+        ):
+            with self.assertRaisesRegex(error, message):
+                _trainer(parts, 2, **kwargs)
+        trainer = _trainer(parts, 2)
+        for dataset_fn, epochs, error, message in (
+            (
+                lambda: _dataset_fn(None),
+                1,
+                TypeError,
+                r"^`dataset_fn` must take one argument, the tf.distribute."
+                r"InputContext .* Received: dataset_fn\(\)$",
+            ),
+            (_dataset_fn, "2", ValueError, r"Received: epochs='2'$"),
+            (
+                lambda context: _dataset_fn(context).map(lambda x, y: x),
+                1,
+                ValueError,
+                r"^Trainer's default `train_step` takes `\(x, y\)` batches: "
+                r".* Received: a batch of a tensor of shape \(32, 4\)$",
+            ),
+        ):
+            with self.assertRaisesRegex(error, message):
+                trainer.train(dataset_fn, epochs=epochs, steps_per_epoch=4)
+        self.assertEqual(int(parts[2].iterations.numpy()), 0)
+        # A loss's name, as compile takes it, and one callback alone. Two
+        # pushes, both at the initial weights: the epoch's loss is theirs.
+        initial = testutil.dense_model()
+        initial.set_weights(parts[1].get_weights())
+        name = "sparse_categorical_crossentropy"
+        expected = tf.reduce_mean(tf.keras.losses.get(name)(_Y, initial(_X)))
+        trainer = _trainer(
+            parts, 2, loss_fn=name, callbacks=tf.keras.callbacks.History()
+        )
+        history = trainer.train(_dataset_fn, epochs=1, steps_per_epoch=2)
+        self.assertEqual(int(parts[2].iterations.numpy()), 1)
+        self.assertAlmostEqual(
+            history.history["loss"][0], float(expected), places=5
+        )
+
+    def test_a_failed_train_leaves_no_error_and_no_token_lost(self):
+        # PSS's closure queue kept the error fetched from a failed function
+        # and raised it again at the next train's first schedule; and the
+        # failed step's token was lost, so the next train waited for the
+        # token timeout (60 s by default; an hour here, so that only the
+        # release on the failure can let it go on).
+        strategy = testutil.strategy(
+            2, replicas_to_aggregate=2, token_timeout=3600.0
+        )
+        with strategy.scope():
+            model = testutil.dense_model()
+            optimizer = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+        parts = (strategy, model, optimizer)
+
+        def finite(context):
+            return _dataset_fn(context).take(2)
+
+        with self.assertRaisesRegex(ValueError, r"ran out on a worker"):
+            _trainer(parts, 2).train(finite, epochs=1, steps_per_epoch=8)
+        before = int(optimizer.iterations.numpy())
+        retry = threading.Thread(
+            target=_trainer(parts, 2).train,
+            args=(_dataset_fn,),
+            kwargs={"epochs": 1, "steps_per_epoch": 4},
+            daemon=True,
+        )
+        retry.start()
+        retry.join(60)  # the release comes within about a second
+        self.assertFalse(retry.is_alive(), "the retry waited for a token")
+        self.assertEqual(int(optimizer.iterations.numpy()), before + 2)
+        self.assertGreaterEqual(strategy._watchdog.released, 1)
+
+    def test_a_subclassed_model_with_its_weights_made_in_init_is_taken(self):
+        # `built` stays False, but the weights exist: the optimizer builds.
+        class Linear(tf.keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.w = self.add_weight("w", shape=(4, 3), initializer="zeros")
+
+            def call(self, x):
+                return tf.matmul(x, self.w)
+
+        strategy, _, optimizer = _parts()
+        with strategy.scope():
+            model = Linear()
+        self.assertFalse(model.built)
+        trainer = _trainer((strategy, model, optimizer), 2)
+        trainer.train(_dataset_fn, epochs=1, steps_per_epoch=4)
+        self.assertEqual(int(optimizer.iterations.numpy()), 2)
+        self.assertGreater(float(tf.reduce_sum(tf.abs(model.w))), 0.0)
 
     def test_a_replaced_optimizers_trainer_changes_nothing(self):
         # Fine-tuning with a second Trainer: the first one's `train` must

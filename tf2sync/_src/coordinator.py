@@ -55,6 +55,7 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             self._planned = None  # functions under the current cap
             self._plan_run = None  # (weakref to the run, base, pushes)
             tf_internals.on_worker_failure(self, _worker_failed)
+            tf_internals.on_function_error(self, _function_failed)
 
     def create_per_worker_dataset(self, dataset_fn):
         """See base class. On CPU workers, without the per-device iterator.
@@ -251,6 +252,18 @@ def _worker_failed(index, error):
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     watchdog.alarm_all(
         f"worker {index} failed ({type(error).__name__}: {first[:120]})"
+    )
+
+
+def _function_failed(error):
+    """Releases the tokens a failed function's step held: a step that
+    raised (its data ran out, a check failed) took its token and will not
+    push, and the next `fit` or `train` would wait for the token timeout."""
+    if isinstance(error, tf.errors.CancelledError):
+        return  # the functions cancelled after a first failure
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    watchdog.alarm_all(
+        f"a function failed ({type(error).__name__}: {first[:120]})"
     )
 
 

@@ -610,6 +610,26 @@ def on_worker_failure(coordinator, callback) -> None:
         worker._on_closure_failure = hooked
 
 
+def on_function_error(coordinator, callback) -> None:
+    """Calls `callback(error)` when a scheduled function fails with an
+    error of its own (not a worker failure: see `on_worker_failure`).
+
+    PSS records it with its closure queue's `mark_failed`, wrapped here
+    once per queue, after the error is recorded.
+    """
+    queue = coordinator._cluster.closure_queue
+    original = queue.mark_failed
+    if getattr(original, "_tf2sync_hooked", False):
+        return
+
+    def hooked(error):
+        original(error)
+        callback(error)
+
+    hooked._tf2sync_hooked = True
+    queue.mark_failed = hooked
+
+
 def track_closures(coordinator) -> None:
     """Lets `take_over_closure` move a worker's in-flight closure.
 

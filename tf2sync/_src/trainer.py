@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import sys
 import time
@@ -89,7 +90,9 @@ class Trainer:
             on a worker, each replica's mean counts 1/n of the worker's
             gradient, as in `fit`. The model's own losses
             (`model.losses`: regularizers, `add_loss`) are added to it,
-            as `fit` adds them.
+            as `fit` adds them. A loss's name (`"mse"`) means the batch
+            mean of that tf.keras loss function, as in `compile`; None
+            only with an overridden `train_step`.
           steps_per_loop: Synchronous steps per scheduled function.
           use_tf_while_loop: How a scheduled function runs its
             `steps_per_loop` steps. A `tf.while_loop` whose body runs on
@@ -109,20 +112,28 @@ class Trainer:
             the graph.
           checkpoint_dir: Where to save and resume; None: no checkpoints.
           max_to_keep: Checkpoints kept.
-          callbacks: `tf.keras.callbacks.Callback`s.
+          callbacks: `tf.keras.callbacks.Callback`s (or one).
           verbose: "auto", 0, 1 (progress bar) or 2 (one line per epoch).
           options: A `tf2sync.SyncOptions` for this trainer's loop; None
             (the default): the strategy's (`strategy.options`).
 
         Raises:
           TypeError: If `options` is not a `tf2sync.SyncOptions` or None,
-            or `optimizer` is neither optimizer above.
+            or `optimizer` is neither optimizer above, or `loss_fn` is not
+            callable nor a loss's name, or a callback is not a
+            `tf.keras.callbacks.Callback`.
           ValueError: If `steps_per_loop` is not a positive int, or
-            `use_tf_while_loop` not None or a bool, or a later
-            `SyncOptimizer` replaced `optimizer`, or `checkpoint_dir` is a
-            file or cannot be written or created.
+            `use_tf_while_loop` not None or a bool, or `verbose` not one of
+            its values, or `loss_fn` is None with the default `train_step`
+            or names no tf.keras loss, or `model` has no weights yet, or a
+            later `SyncOptimizer` replaced `optimizer`, or `checkpoint_dir`
+            is a file or cannot be written or created.
         """
         checks.loop_arguments(steps_per_loop, use_tf_while_loop)
+        checks.verbose(verbose)
+        default_step = type(self).train_step is Trainer.train_step
+        loss_fn = checks.loss_fn(loss_fn, default_step)
+        callbacks = checks.callbacks(callbacks)
         self.options = checks.checked_options(strategy, options)
         checks.optimizer(optimizer)
         checks.model(model)
@@ -190,6 +201,7 @@ class Trainer:
     def train_step(self, batch):
         """One replica step: returns the loss (with `model.losses`, as
         `fit` logs it). Runs inside `strategy.run`."""
+        checks.batch(batch)
         x, y = batch
         loss_fn = _converted(tf_internals.replica_mean_loss(self.loss_fn))
         replicas = 1 if self._shim else _local_replicas()
@@ -340,8 +352,12 @@ class Trainer:
           The `tf.keras.callbacks.History` of the epochs run.
 
         Raises:
-          TypeError: If `dataset_fn` is not callable (a dataset itself).
-          ValueError: If `steps_per_epoch` is not a positive int, or is
+          TypeError: If `dataset_fn` is not callable (a dataset itself) or
+            cannot take the input context.
+          ValueError: If `epochs` is not an int >= 0, or the default
+            `train_step`'s batches are not `(x, y)` (when the step is
+            traced, before any update), or `steps_per_epoch` is not a
+            positive int, or is
             given with a `ServicePassPerEpoch`
             (or missing without one); or a `ServicePassPerEpoch` is given
             with the TF1 shim; or a later `SyncOptimizer` replaced this
@@ -357,6 +373,7 @@ class Trainer:
         if not service:
             checks.dataset_fn(dataset_fn)
         checks.steps_per_epoch(steps_per_epoch, service, self._shim)
+        checks.epochs(epochs)
         self._restore_latest_checkpoint()
         if self._saver:  # traced while every task answers
             self._saver.prepare()
@@ -401,19 +418,20 @@ class Trainer:
         for epoch in range(start_epoch, epochs):
             self.train_loop_begin()
             callback_list.on_epoch_begin(epoch)
-            if service:
-                next_pass()
-                logs = self._run_pass(loop, iter(per_worker), sync)
-            else:
-                logs = self._run_epoch(
-                    loop,
-                    iterator,
-                    loops_per_epoch,
-                    sync,
-                    single,
-                    rest=(rest_fn, rest),
-                )
-                single = None  # the first epoch's first loop only
+            with _no_error_left_behind(self.coordinator):
+                if service:
+                    next_pass()
+                    logs = self._run_pass(loop, iter(per_worker), sync)
+                else:
+                    logs = self._run_epoch(
+                        loop,
+                        iterator,
+                        loops_per_epoch,
+                        sync,
+                        single,
+                        rest=(rest_fn, rest),
+                    )
+                    single = None  # the first epoch's first loop only
             logs = self.train_loop_end(logs)
             callback_list.on_epoch_end(epoch, logs)
             self._end_epoch(epoch, epochs, logs)
@@ -582,6 +600,28 @@ class Trainer:
                 + " ".join(f"{k}={v:.4g}" for k, v in shown.items()),
                 flush=True,
             )
+
+
+@contextlib.contextmanager
+def _no_error_left_behind(coordinator):
+    """Clears the coordinator's error when an epoch fails.
+
+    A function's error read through a result's `fetch` stays in PSS's
+    closure queue, which raises it again at the next `schedule` or `join`:
+    the next `train` call (the user's retry, with the cause fixed) failed
+    with the old error. `done()` raises and clears it, and cancels the
+    functions still queued, without waiting for those in flight (a worker
+    waiting for the failed one's push would hold a `join` until the token
+    timeout).
+    """
+    try:
+        yield
+    except Exception:
+        try:
+            coordinator.done()
+        except Exception:  # noqa: BLE001, S110 - the error being raised
+            pass
+        raise
 
 
 class _Run:

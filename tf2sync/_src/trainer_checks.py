@@ -3,6 +3,7 @@ naming the argument and the value, before anything trains."""
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import os
 
@@ -60,12 +61,128 @@ def model(model) -> None:
     state on them, eagerly, before any step is traced."""
     if model.built:
         return
+    try:  # a subclassed model may create its weights in `__init__`
+        weights = model.weights
+    except ValueError:  # tf_keras: "Weights ... have not yet been created"
+        weights = []
+    if weights:
+        return
     raise ValueError(
         f"Trainer's `model` has no weights yet: {model.name!r} is built at "
         "its first call, and the trainer builds its optimizer before any "
         "step. Give its first layer an `input_shape` (or call "
         "`model.build(input_shape)`) under `strategy.scope()`. Received: "
         f"model={model.name!r} (built=False)"
+    )
+
+
+def loss_fn(loss_fn, default_step: bool):
+    """`loss_fn` checked, a loss name resolved as `compile` resolves it.
+
+    Args:
+      loss_fn: The `Trainer`'s `loss_fn`.
+      default_step: Whether the trainer's `train_step` is `Trainer`'s own
+        (which needs a loss); an overridden one may compute its own.
+
+    Returns:
+      `loss_fn`, or for a name (`"mse"`) the mean over the batch of
+      tf_keras's loss function of that name.
+    """
+    if loss_fn is None:
+        if default_step:
+            raise ValueError(
+                "Trainer's default `train_step` needs `loss_fn`, "
+                "`loss_fn(y_true, y_pred) -> scalar` (or a tf.keras loss, or "
+                "its name); override `train_step` to compute the loss "
+                "yourself. Received: loss_fn=None"
+            )
+        return None
+    if isinstance(loss_fn, str):
+        try:
+            function = tf_keras.losses.get(loss_fn)
+        except ValueError:
+            raise ValueError(
+                f"`loss_fn`: tf.keras has no loss named {loss_fn!r}. "
+                f"Received: loss_fn={loss_fn!r}"
+            ) from None
+        if isinstance(function, tf_keras.losses.Loss):
+            return function
+
+        def mean_loss(y_true, y_pred):
+            return tf.reduce_mean(function(y_true, y_pred))
+
+        mean_loss.__name__ = f"mean_{function.__name__}"
+        return mean_loss
+    if not callable(loss_fn):
+        raise TypeError(
+            "`loss_fn` must be a function `loss_fn(y_true, y_pred) -> "
+            "scalar`, a tf.keras loss or its name. Received: "
+            f"loss_fn={loss_fn!r}"
+        )
+    return loss_fn
+
+
+def callbacks(callbacks) -> list:
+    """`callbacks` as a list (one callback alone, as `fit` takes it);
+    refuses anything but tf.keras callbacks."""
+    if isinstance(callbacks, tf_keras.callbacks.Callback):
+        return [callbacks]
+    if callbacks is None:
+        return []
+    callbacks = list(callbacks)
+    for i, callback in enumerate(callbacks):
+        if not isinstance(callback, tf_keras.callbacks.Callback):
+            raise TypeError(
+                "`callbacks` must be tf.keras.callbacks.Callback objects. "
+                f"Received: callbacks[{i}]={callback!r}"
+            )
+    return callbacks
+
+
+def verbose(verbose) -> None:
+    """Refuses a `verbose` other than "auto", 0, 1 or 2, as `fit` reads it."""
+    if verbose == "auto" or (
+        isinstance(verbose, int)
+        and not isinstance(verbose, bool)
+        and verbose in (0, 1, 2)
+    ):
+        return
+    raise ValueError(
+        '`verbose` must be "auto", 0 (silent), 1 (progress bar) or 2 (one '
+        f"line per epoch). Received: verbose={verbose!r}"
+    )
+
+
+def epochs(epochs) -> None:
+    """Refuses `epochs` that is not an int >= 0."""
+    if (
+        not isinstance(epochs, numbers.Integral)
+        or isinstance(epochs, bool)
+        or epochs < 0
+    ):
+        raise ValueError(
+            "`epochs` must be an int >= 0 (the total, resumed epochs "
+            f"included). Received: epochs={epochs!r}"
+        )
+
+
+def batch(batch) -> None:
+    """Refuses, while tracing, a batch the default `train_step` cannot
+    split into `(x, y)`."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return
+    if isinstance(batch, (tuple, list)):
+        shape = f"a {type(batch).__name__} of {len(batch)}"
+    elif isinstance(batch, dict):
+        shape = f"a dict of keys {sorted(batch)}"
+    elif isinstance(batch, tf.Tensor):
+        shape = f"a tensor of shape {tuple(batch.shape.as_list())}"
+    else:
+        shape = f"a {type(batch).__name__}"
+    raise ValueError(
+        "Trainer's default `train_step` takes `(x, y)` batches: make "
+        "`dataset_fn`'s dataset yield pairs, or override `train_step`. "
+        f"Received: a batch of {shape}"
     )
 
 
@@ -84,8 +201,22 @@ def checkpoint_dir(checkpoint_dir) -> None:
 
 
 def dataset_fn(dataset_fn):
-    """Refuses a `dataset_fn` that is not callable (a dataset, arrays)."""
+    """Refuses a `dataset_fn` that is not callable (a dataset, arrays), or
+    that cannot take the input context."""
     if callable(dataset_fn):
+        try:
+            signature = inspect.signature(dataset_fn)
+        except (TypeError, ValueError):  # a builtin: not inspectable
+            return
+        try:
+            signature.bind(None)
+        except TypeError:
+            raise TypeError(
+                "`dataset_fn` must take one argument, the "
+                "tf.distribute.InputContext (its `input_pipeline_id` is the "
+                "worker, to shard the data by); write `lambda input_context: "
+                f"...` to ignore it. Received: dataset_fn{signature}"
+            ) from None
         return
     hint = ""
     if isinstance(dataset_fn, tf.data.Dataset):
