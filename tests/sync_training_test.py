@@ -202,6 +202,22 @@ class ReadCacheTest(absltest.TestCase):
         )
         for var in variables:
             self.assertEqual(reads[var.name], 1, var.name)
+        # The cond's branches (those computing the layer: the push's own
+        # conds read the ps) read nothing: they capture the step's reads.
+        library = {
+            f.signature.name: [node.op for node in f.node_def]
+            for f in graph.as_graph_def().library.function
+        }
+        branches = [
+            library[op.get_attr(attr).name]
+            for op in graph.get_operations()
+            if op.type in ("If", "StatelessIf")
+            for attr in ("then_branch", "else_branch")
+        ]
+        layer_branches = [ops for ops in branches if "MatMul" in ops]
+        self.assertLen(layer_branches, 4)  # the cond's and its gradient's
+        for ops in layer_branches:
+            self.assertNotIn("ReadVariableOp", ops)
 
 
 class TagOrderTest(absltest.TestCase):

@@ -130,13 +130,13 @@ class Trainer:
             is a file or cannot be written or created.
         """
         checks.loop_arguments(steps_per_loop, use_tf_while_loop)
+        self.options = checks.checked_options(strategy, options)
+        checks.optimizer(optimizer)
+        checks.model(model)
         checks.verbose(verbose)
         default_step = type(self).train_step is Trainer.train_step
         loss_fn = checks.loss_fn(loss_fn, default_step)
         callbacks = checks.callbacks(callbacks)
-        self.options = checks.checked_options(strategy, options)
-        checks.optimizer(optimizer)
-        checks.model(model)
         checks.checkpoint_dir(checkpoint_dir)
         self.strategy = strategy
         self.model = model
@@ -609,10 +609,12 @@ def _no_error_left_behind(coordinator):
     A function's error read through a result's `fetch` stays in PSS's
     closure queue, which raises it again at the next `schedule` or `join`:
     the next `train` call (the user's retry, with the cause fixed) failed
-    with the old error. `done()` raises and clears it, and cancels the
-    functions still queued, without waiting for those in flight (a worker
-    waiting for the failed one's push would hold a `join` until the token
-    timeout).
+    with the old error. `done()` raises and clears it, cancels the
+    functions still queued and waits for those in flight; a step waiting
+    for the token the failed one took gets it from the token watchdog,
+    which the failure alarmed (`coordinator._function_failed`). An error
+    already raised by a `schedule` or `join` is not there any more: then
+    nothing is cancelled, as before.
     """
     try:
         yield

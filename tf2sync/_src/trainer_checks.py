@@ -111,7 +111,7 @@ def loss_fn(loss_fn, default_step: bool):
         def mean_loss(y_true, y_pred):
             return tf.reduce_mean(function(y_true, y_pred))
 
-        mean_loss.__name__ = f"mean_{function.__name__}"
+        mean_loss.__name__ = f"mean_{getattr(function, '__name__', 'loss')}"
         return mean_loss
     if not callable(loss_fn):
         raise TypeError(
@@ -131,7 +131,8 @@ def callbacks(callbacks) -> list:
         return []
     callbacks = list(callbacks)
     for i, callback in enumerate(callbacks):
-        if not isinstance(callback, tf_keras.callbacks.Callback):
+        # tf_keras's CallbackList takes any object with the hooks.
+        if not hasattr(callback, "on_epoch_end"):
             raise TypeError(
                 "`callbacks` must be tf.keras.callbacks.Callback objects. "
                 f"Received: callbacks[{i}]={callback!r}"
@@ -142,9 +143,7 @@ def callbacks(callbacks) -> list:
 def verbose(verbose) -> None:
     """Refuses a `verbose` other than "auto", 0, 1 or 2, as `fit` reads it."""
     if verbose == "auto" or (
-        isinstance(verbose, int)
-        and not isinstance(verbose, bool)
-        and verbose in (0, 1, 2)
+        isinstance(verbose, numbers.Integral) and verbose in (0, 1, 2)
     ):
         return
     raise ValueError(
