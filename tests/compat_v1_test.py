@@ -1014,30 +1014,16 @@ class FitTest(absltest.TestCase):
         self.assertGreater(rounds, 0)
         reference = testutil.dense_model()
         reference.set_weights(initial)
-        per_group = {
-            "kernel": tf.compat.v1.train.MomentumOptimizer(
-                self.LR, self.MOMENTUM
-            ),
-            "bias": tf.compat.v1.train.MomentumOptimizer(
-                2 * self.LR, self.MOMENTUM
-            ),
-        }
-        for _ in range(rounds):
-            with tf.GradientTape() as tape:
-                loss = testutil.LOSS(y, reference(x))
-            variables = reference.trainable_variables
-            grads = tape.gradient(loss, variables)
-            for key, inner in per_group.items():
-                inner.apply_gradients(
-                    [(g, v) for g, v in zip(grads, variables) if key in v.name]
-                )
+        rates = {"kernel": self.LR, "bias": 2 * self.LR}
+        per_group = testutil.tf1_momentum_per_group(
+            reference, x, y, rates, self.MOMENTUM, rounds
+        )
         for got, want in zip(model.get_weights(), reference.get_weights()):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
         # TF1's get_slot through the shim: each variable's group's momentum
         # (the MultiOptimizer routes it; it raised KeyError). tf_keras keeps
         # the velocity, -rate x TF1's accumulator.
         self.assertEqual(opt.get_slot_names(), ["momentum"])
-        rates = {"kernel": self.LR, "bias": 2 * self.LR}
         for var, ref in zip(
             model.trainable_variables, reference.trainable_variables
         ):

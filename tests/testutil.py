@@ -84,6 +84,27 @@ def data(kind, n, seed=0, vocab=50):
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def tf1_momentum_per_group(model, x, y, rates, momentum, steps):
+    """`steps` full-batch steps of `model` (in place) under TF1's
+    `MomentumOptimizer`, one per variable group: `rates` maps a substring
+    of the variables' names to its group's rate. Returns the optimizers,
+    by the same keys (for their slots)."""
+    optimizers = {
+        key: tf.compat.v1.train.MomentumOptimizer(rate, momentum)
+        for key, rate in rates.items()
+    }
+    variables = model.trainable_variables
+    for _ in range(steps):
+        with tf.GradientTape() as tape:
+            loss = mean_loss(y, model(x))
+        grads = tape.gradient(loss, variables)
+        for key, optimizer in optimizers.items():
+            optimizer.apply_gradients(
+                [(g, v) for g, v in zip(grads, variables) if key in v.name]
+            )
+    return optimizers
+
+
 def mean_loss(y, logits):
     """Mean cross-entropy over the batch (usable inside strategy.run)."""
     return tf.reduce_mean(

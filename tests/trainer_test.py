@@ -25,8 +25,10 @@ def _dataset_fn(input_context):
     return tf.data.Dataset.from_tensors((_X, _Y)).repeat()
 
 
-def _parts(seed=0, num_ps=1):
-    strategy = testutil.strategy(2, num_ps, replicas_to_aggregate=2)
+def _parts(seed=0, num_ps=1, **strategy_kwargs):
+    strategy = testutil.strategy(
+        2, num_ps, replicas_to_aggregate=2, **strategy_kwargs
+    )
     with strategy.scope():
         model = testutil.dense_model(seed)
         optimizer = tf2sync.SyncOptimizer(
@@ -356,13 +358,8 @@ class TrainerTest(parameterized.TestCase):
         # release on the failure can let it go on). A label out of range
         # fails the loss, which follows the step's reads, which follow its
         # token: the failing step always holds one.
-        strategy = testutil.strategy(
-            2, replicas_to_aggregate=2, token_timeout=3600.0
-        )
-        with strategy.scope():
-            model = testutil.dense_model()
-            optimizer = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
-        parts = (strategy, model, optimizer)
+        parts = _parts(token_timeout=3600.0)
+        strategy, _, optimizer = parts
 
         def poisoned(context):  # each worker's third batch
             bad = tf.data.Dataset.from_tensors((_X, np.full_like(_Y, 99)))
@@ -663,19 +660,7 @@ class TrainerTest(parameterized.TestCase):
         )
         reference = testutil.dense_model(0)
         reference.set_weights(initial)
-        per_group = {
-            key: tf.compat.v1.train.MomentumOptimizer(rate, 0.9)
-            for key, rate in rates.items()
-        }
-        for _ in range(updates):
-            with tf.GradientTape() as tape:
-                loss = testutil.mean_loss(_Y, reference(_X))
-            variables = reference.trainable_variables
-            grads = tape.gradient(loss, variables)
-            for key, inner in per_group.items():
-                inner.apply_gradients(
-                    [(g, v) for g, v in zip(grads, variables) if key in v.name]
-                )
+        testutil.tf1_momentum_per_group(reference, _X, _Y, rates, 0.9, updates)
         self.assertLess(
             testutil.max_abs_diff(model.get_weights(), reference.get_weights()),
             1e-5,

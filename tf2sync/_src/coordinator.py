@@ -249,10 +249,7 @@ def _check_pass_reader(model, strategy) -> None:
 
 def _worker_failed(index, error):
     """Releases the tokens a failed worker's step held (see `watchdog`)."""
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    watchdog.alarm_all(
-        f"worker {index} failed ({type(error).__name__}: {first[:120]})"
-    )
+    _alarm(f"worker {index} failed", error)
 
 
 def _function_failed(error):
@@ -261,10 +258,13 @@ def _function_failed(error):
     push, and the next `fit` or `train` would wait for the token timeout."""
     if isinstance(error, tf.errors.CancelledError):
         return  # the functions cancelled after a first failure
+    _alarm("a function failed", error)
+
+
+def _alarm(what, error):
+    """Alarms every token watchdog: `what` happened, with `error`."""
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    watchdog.alarm_all(
-        f"a function failed ({type(error).__name__}: {first[:120]})"
-    )
+    watchdog.alarm_all(f"{what} ({type(error).__name__}: {first[:120]})")
 
 
 class OnePassPerEpoch(tf.keras.utils.experimental.DatasetCreator):

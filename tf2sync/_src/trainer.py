@@ -619,10 +619,8 @@ def _no_error_left_behind(coordinator):
     try:
         yield
     except Exception:
-        try:
+        with contextlib.suppress(Exception):  # the error being raised
             coordinator.done()
-        except Exception:  # noqa: BLE001, S110 - the error being raised
-            pass
         raise
 
 

@@ -154,11 +154,7 @@ def verbose(verbose) -> None:
 
 def epochs(epochs) -> None:
     """Refuses `epochs` that is not an int >= 0."""
-    if (
-        not isinstance(epochs, numbers.Integral)
-        or isinstance(epochs, bool)
-        or epochs < 0
-    ):
+    if not _is_int(epochs) or epochs < 0:
         raise ValueError(
             "`epochs` must be an int >= 0 (the total, resumed epochs "
             f"included). Received: epochs={epochs!r}"
@@ -250,11 +246,7 @@ def steps_per_epoch(steps_per_epoch, service, shim) -> None:
                 f"steps_per_epoch={steps_per_epoch!r}"
             )
         return
-    if (
-        not isinstance(steps_per_epoch, numbers.Integral)
-        or isinstance(steps_per_epoch, bool)
-        or steps_per_epoch <= 0
-    ):
+    if not _is_int(steps_per_epoch) or steps_per_epoch <= 0:
         raise ValueError(
             "`steps_per_epoch` must be a positive int. Received: "
             f"steps_per_epoch={steps_per_epoch!r}"
@@ -298,3 +290,8 @@ def warn_batch_hooks_uncalled(callbacks) -> None:
             "ModelCheckpoint(save_freq='epoch'), or train with model.fit).",
             ", ".join(names),
         )
+
+
+def _is_int(value) -> bool:
+    """An integral value that is not a bool (NumPy's ints too)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
