@@ -55,6 +55,39 @@ class GraphOpsTest(absltest.TestCase):
             self.assertTrue(tf_internals.op_is_stateful(noise.op))
             self.assertTrue(tf_internals.op_is_stateful(handle.op))
 
+    def test_set_up_without_grappler_keeps_the_rest_of_the_config(self):
+        inner = tf.function(lambda x: (x + 1.0, x * 2.0))
+        calls = []
+
+        @tf.function
+        def outer(x, off):
+            outputs = inner(x)
+            if off:
+                tf_internals.set_up_without_grappler(outputs)
+            calls.extend({t.op for t in outputs})
+            return outputs
+
+        self.assertEqual(outer(tf.constant(1.0), True)[1].numpy(), 2.0)
+        outer(tf.constant(1.0), False)
+        off, plain = [tf.compat.v1.ConfigProto() for _ in calls]
+        off.ParseFromString(calls[0].get_attr("config_proto"))
+        plain.ParseFromString(calls[1].get_attr("config_proto"))
+        self.assertTrue(
+            off.graph_options.rewrite_options.disable_meta_optimizer
+        )
+        self.assertNotEqual(off, plain)
+        plain.graph_options.rewrite_options.disable_meta_optimizer = True
+        self.assertEqual(off, plain)  # the rest as the context gave it
+
+    def test_set_up_without_grappler_wants_one_call(self):
+        @tf.function
+        def not_a_call(x):
+            with self.assertRaisesRegex(TypeError, "outputs=.*function call"):
+                tf_internals.set_up_without_grappler(x + 1.0)
+            return x
+
+        not_a_call(tf.constant(1.0))
+
 
 class VariableAndDatasetTest(absltest.TestCase):
     def test_plain_resource_variable_is_outside_the_strategy(self):

@@ -85,18 +85,21 @@ def _loop_ops(trainer):
     return {op.type for op in traced.graph.get_operations()}
 
 
-def _push_calls(trainer, optimizer):
-    """How many times the function `trainer` scheduled calls the push."""
+def _push_calls(trainer, optimizer, graph=None):
+    """How many times `graph` (default: the function `trainer` scheduled)
+    calls the push."""
     functions = [
         concrete.name
         for function in optimizer._aggregator._push_functions.values()
         if function is not None
         for concrete in function._list_all_concrete_functions()
     ]
-    (traced,) = trainer._loop._list_all_concrete_functions()
+    if graph is None:
+        (traced,) = trainer._loop._list_all_concrete_functions()
+        graph = traced.graph
     return sum(
         op.get_attr("f").name.encode() in functions
-        for op in traced.graph.get_operations()
+        for op in graph.get_operations()
         if op.type in ("PartitionedCall", "StatefulPartitionedCall")
     )
 
@@ -719,12 +722,7 @@ class TrainerTest(parameterized.TestCase):
             op for op in traced.graph.get_operations() if op.type == "While"
         ]
         body = traced.graph._functions[loop.get_attr("body").name]
-        pushes = [
-            op.name
-            for op in body.graph.get_operations()
-            if op.type == "MutexLock"
-        ]
-        self.assertLen(pushes, 3)
+        self.assertEqual(_push_calls(grouped, parts[2], body.graph), 3)
         # The 2 steps after the loop, in the function's own graph.
         self.assertEqual(_push_calls(grouped, parts[2]), 2)
 
@@ -733,6 +731,44 @@ class TrainerTest(parameterized.TestCase):
         trainer = _trainer(parts, 4)
         trainer.train(_dataset_fn, epochs=1, steps_per_epoch=8)
         self.assertFalse(_loop_ops(trainer) & {"While", "StatelessWhile"})
+
+    def test_the_push_function_takes_the_lock_and_skips_grappler(self):
+        # Each worker's first call sets the push function up on the ps: a
+        # lock around the call would make the second worker's set-up wait
+        # for the first's. The lock serialises the pushes, so it must be
+        # inside the function, once per call.
+        parts = _parts()
+        trainer = _trainer(parts, 4)
+        trainer.train(_dataset_fn, epochs=1, steps_per_epoch=8)
+        self.assertEqual(_push_calls(trainer, parts[2]), 4)
+        self.assertNotIn("MutexLock", _loop_ops(trainer))
+        (function,) = [
+            f
+            for f in parts[2]._aggregator._push_functions.values()
+            if f is not None
+        ]
+        (concrete,) = function._list_all_concrete_functions()
+        locks = [
+            op
+            for op in concrete.graph.get_operations()
+            if op.type == "MutexLock"
+        ]
+        self.assertLen(locks, 1)  # placed with its call, on the ps
+        # Each call has the ps set the function up without Grappler.
+        (traced,) = trainer._loop._list_all_concrete_functions()
+        calls = [
+            op
+            for op in traced.graph.get_operations()
+            if op.type == "StatefulPartitionedCall"
+            and op.get_attr("f").name.encode() == concrete.name
+        ]
+        self.assertLen(calls, 4)
+        for op in calls:
+            config = tf.compat.v1.ConfigProto()
+            config.ParseFromString(op.get_attr("config_proto"))
+            self.assertTrue(
+                config.graph_options.rewrite_options.disable_meta_optimizer
+            )
 
     def test_unrolled_push_stays_inline_across_parameter_servers(self):
         # With 2 ps, the dense accumulators sit on both: a ps function for

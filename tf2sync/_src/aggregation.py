@@ -416,7 +416,14 @@ class Aggregator:
         )
         with tf.device(self.device):
             if function is not None:
-                return self._cs.execute(lambda: function(inputs))
+                applied = function(inputs)
+                # The ps sets the function up for each worker, at its first
+                # call; Grappler's passes took half of that and made the
+                # push (variables, queues, one switch, one cond and the
+                # apply) no faster (docs/performance_log.md, "Measurements
+                # behind the code").
+                tf_internals.set_up_without_grappler(applied)
+                return applied
             return self._cs.execute(
                 lambda: self._push_body(wire, inputs, check_finite, stats)
             )
@@ -466,6 +473,11 @@ class Aggregator:
         hooks live on another device stays inline too (the call would be a
         multi-device function of its own). Returns None where the push is
         inlined.
+
+        The function takes the critical section itself: the ps sets a
+        function up for each caller at its first call, and a call made
+        inside the section set it up there, one worker after the other
+        (each call's set-up took about 70 ms on digits).
         """
         graph = tf.compat.v1.get_default_graph()
         if graph not in self._graphs_with_push:
@@ -480,7 +492,9 @@ class Aggregator:
         )
         if key not in self._push_functions:
             function = tf.function(
-                lambda args: self._push_body(wire, args, check_finite, stats),
+                lambda args: self._cs.execute(
+                    lambda: self._push_body(wire, args, check_finite, stats)
+                ),
                 autograph=False,
                 experimental_attributes={"_noinline": True},
             )

@@ -83,6 +83,34 @@ def op_is_stateful(op) -> bool:
     return bool(op._is_stateful)
 
 
+def set_up_without_grappler(outputs) -> None:
+    """Has the task that runs a function call set the function up without
+    Grappler, TF's graph optimizer (the call op's `config_proto`, through
+    `_set_attr`).
+
+    Args:
+      outputs: What calling a `tf.function` in a graph returned; their op
+        is the call. The call keeps the rest of the configuration of the
+        context that traced it.
+
+    Raises:
+      TypeError: If `outputs` are not the outputs of one function call.
+    """
+    ops = {t.op for t in tf.nest.flatten(outputs)}
+    if len(ops) != 1 or next(iter(ops)).type not in (
+        "PartitionedCall",
+        "StatefulPartitionedCall",
+    ):
+        raise TypeError(f"outputs={outputs!r} are not one function call's.")
+    (op,) = ops
+    config = tf.compat.v1.ConfigProto()
+    config.ParseFromString(op.get_attr("config_proto"))
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    op._set_attr(
+        "config_proto", tf.compat.v1.AttrValue(s=config.SerializeToString())
+    )
+
+
 def copies_like_traces(concrete) -> bool:
     """Whether `inline_copy` of `concrete` makes what tracing it again
     would. Not when its graph has call-time captures (PSS's per-worker
