@@ -367,6 +367,31 @@ class WireTest(absltest.TestCase):
             self.assertEqual(got.shape, sent.shape)
             np.testing.assert_array_equal(got, sent)
 
+    def test_the_accumulator_starts_on_its_ps_not_sent_there(self):
+        # A dense accumulator holds the model's size: zeros made on the
+        # chief would cross to the ps (ResNet-50: 100 MB, 0.3 s of the
+        # first trace).
+        from tf2sync._src import wire as wire_lib
+
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            variable = tf.Variable(tf.zeros([6]))
+        made = []
+        real = wire_lib.ps_variable
+
+        def recording(initial_value, device, name, dtype=None):
+            made.append((initial_value.device, device))
+            return real(initial_value, device, name, dtype)
+
+        with mock.patch.object(wire_lib, "ps_variable", recording):
+            wire_lib.Layout([(tf.ones([6]), variable)], "placed")
+        ((value_device, device),) = made
+        self.assertIn("/job:ps/", device)
+        self.assertEqual(
+            tf.DeviceSpec.from_string(value_device),
+            tf.DeviceSpec.from_string(device),
+        )
+
 
 def _run_on(coordinator, strategy, replica, times):
     """Schedules `replica` as a function `times` and joins; returns it."""

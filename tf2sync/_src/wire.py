@@ -73,9 +73,9 @@ class Layout:
         self.dense = []
         for (device, dtype), variables in groups.items():
             sizes = [int(np.prod(v.shape.as_list())) for v in variables]
-            buffer = ps_variable(
-                tf.zeros([sum(sizes)], dtype), device, f"{name}_acc"
-            )
+            with tf.init_scope(), tf.device(device):  # made there, not sent
+                zeros = tf.zeros([sum(sizes)], dtype)
+            buffer = ps_variable(zeros, device, f"{name}_acc")
             self.dense.append(
                 DenseGroup(device, dtype, variables, sizes, buffer)
             )
