@@ -320,6 +320,40 @@ class PushInputsTest(absltest.TestCase):
             self.assertIn("/job:ps/", op.device, op.name)
 
 
+class EagerPushTest(absltest.TestCase):
+    def test_eager_pushes_after_the_first_call_the_ps_function(self):
+        # The TF1 shim's eager apply_gradients: the first push in the
+        # (eager) graph runs inline, the next ones call the push function
+        # of the ps, eagerly; on one ps the round applies once.
+        from tf2sync import compat
+
+        strategy = testutil.strategy(
+            2, replicas_to_aggregate=2, total_num_replicas=2
+        )
+        with strategy.scope():
+            step = tf.Variable(0, name="global_step", trainable=False)
+            v0 = tf.Variable(0.0)
+            v1 = tf.Variable(1.0)
+            opt = compat.v1.SyncReplicasOptimizer(
+                tf.compat.v1.train.GradientDescentOptimizer(2.0),
+                replicas_to_aggregate=2,
+                total_num_replicas=2,
+            )
+            tokens = [
+                int(
+                    opt.apply_gradients(
+                        zip([tf.constant(0.1), tf.constant(0.9)], [v0, v1]),
+                        step,
+                    )
+                )
+                for _ in range(3)
+            ]
+        self.assertEqual(int(step.numpy()), 1)  # the third push waits
+        self.assertEqual(tokens, [0, 0, 1])
+        self.assertAlmostEqual(float(v0.numpy()), -0.2, places=6)
+        self.assertAlmostEqual(float(v1.numpy()), -0.8, places=6)
+
+
 class WireTest(absltest.TestCase):
     def test_a_push_crosses_as_one_tensor_and_arrives_exact(self):
         from tf2sync._src import wire as wire_lib

@@ -417,6 +417,8 @@ class Aggregator:
         with tf.device(self.device):
             if function is not None:
                 applied = function(inputs)
+                if tf.executing_eagerly():  # it ran: no call to set up
+                    return applied
                 # The ps sets the function up for each worker, at its first
                 # call; Grappler's passes took half of that and made the
                 # push (variables, queues, one switch, one cond and the
@@ -510,7 +512,8 @@ class Aggregator:
         return self._push_functions[key]
 
     def _push_body(self, wire, inputs, check_finite, stats):
-        """The push on the ps, inside the critical section (see `push`).
+        """The push on the ps, inside the critical section (taken around it
+        by `push`, or inside the function of `_repeated_push_function`).
 
         One switch picks what the push does (it returns the pending count,
         -1 for a dropped push), then one cond applies: no nested conds

@@ -275,12 +275,14 @@ def row_mean(indices, values):
 def received(inputs, layout, device):
     """A push's `inputs`, each copied onto the ps that uses it.
 
-    The critical section locks only after every input of its body has been
-    computed: a control edge from each. From a tensor on the worker, that
-    edge is a second transfer besides the data's own; from a copy already
-    on a ps it is not: one transfer fewer per step. Each copy sits where
-    its data is used: the wire and the worker index on the critical
-    section's ps (`device`), other gradients on their variables' ps.
+    The critical section of an inlined push locks only after every input
+    of its body has been computed: a control edge from each (a push
+    function's call waits for its inputs as data). From a tensor on the
+    worker, that edge is a second transfer besides the data's own; from a
+    copy already on a ps it is not: one transfer fewer per step. Each copy
+    sits where its data is used: the wire and the worker index on the
+    critical section's ps (`device`), other gradients on their variables'
+    ps.
     """
 
     def copy(value, where):
