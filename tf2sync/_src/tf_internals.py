@@ -97,12 +97,12 @@ def set_up_without_grappler(outputs) -> None:
       TypeError: If `outputs` are not the outputs of one function call.
     """
     ops = {t.op for t in tf.nest.flatten(outputs)}
-    if len(ops) != 1 or next(iter(ops)).type not in (
+    op = ops.pop() if len(ops) == 1 else None
+    if op is None or op.type not in (
         "PartitionedCall",
         "StatefulPartitionedCall",
     ):
         raise TypeError(f"outputs={outputs!r} are not one function call's.")
-    (op,) = ops
     config = tf.compat.v1.ConfigProto()
     config.ParseFromString(op.get_attr("config_proto"))
     config.graph_options.rewrite_options.disable_meta_optimizer = True
