@@ -270,6 +270,50 @@ class StepTracesTest(absltest.TestCase):
         self.assertEqual(int(short(tf.ones([3]))), 3)
         self.assertEqual(traced, [[2], [3]])
 
+    def test_a_lone_step_calls_the_shared_trace_rather_than_copying_it(self):
+        # The single-step function fit and Trainer start on: one call op
+        # of the trace (the worker inlines it when it sets the function
+        # up), not a copy of the step's ops in the function's graph.
+        v = tf.Variable(0.0)
+        traces = loops.StepTraces()
+
+        def step(carry, x):
+            v.assign_add(tf.reduce_sum(tf.square(x)))
+            return carry + 1
+
+        def function_of(steps):
+            @tf.function
+            def run(x):
+                return loops.repeat(
+                    step, steps, 10, tf.constant(0), inputs=(x,), traces=traces
+                )
+
+            return run
+
+        single, full = function_of(1), function_of(3)
+        self.assertEqual(int(single(tf.ones([2]))), 1)
+        self.assertEqual(int(full(tf.ones([2]))), 3)
+        self.assertEqual(float(v.numpy()), 8.0)
+        graph = single.get_concrete_function(tf.ones([2])).graph
+        types = [op.type for op in graph.get_operations()]
+        self.assertNotIn("Square", types)
+        calls = [
+            op
+            for op in graph.get_operations()
+            if op.type in ("PartitionedCall", "StatefulPartitionedCall")
+        ]
+        self.assertLen(calls, 1)
+        (once,) = traces._traces
+        self.assertEqual(
+            calls[0].get_attr("f").name,
+            once._concrete.function_def.signature.name,
+        )
+        full_graph = full.get_concrete_function(tf.ones([2])).graph
+        self.assertLen(
+            [op for op in full_graph.get_operations() if op.type == "Square"],
+            3,
+        )
+
     def test_a_trace_capturing_a_tensor_of_its_function_stays_there(self):
         traces = loops.StepTraces()
         traced = []

@@ -15,7 +15,8 @@ each copy in the graph is a copy of that function's ops
 of the function instead would run slower (TF calls it at every step rather
 than inlining it: 0.70-0.76 x the examples/s on w1 and w3), and tracing
 the step again per copy costs a step's trace per copy
-(docs/performance.md, "Time to the first update"). Functions that repeat
+(docs/performance.md, "Time to the first update"). A lone step calls the
+trace (`_TracedOnce.call`). Functions that repeat
 the same step can share that trace through a `StepTraces`: `fit`'s
 function of K steps, the single-step function its first call and an
 epoch's last, shorter call run (`Trainer`'s first loop too), and the
@@ -105,7 +106,7 @@ def repeat(
     inputs = tuple(inputs)
     shared = trace_once and traces is not None
     run = lambda value: step(value, *inputs)  # noqa: E731
-    # A loop's body is traced once anyway; a lone step copies a shared
+    # A loop's body is traced once anyway; a lone step calls a shared
     # trace.
     if group == 1 and (steps > 1 or not shared):
         return _repeat(run, steps, group, carry)
@@ -114,6 +115,8 @@ def repeat(
             traces = traces if traces is not None else StepTraces()
             once = traces.trace(step, carry, inputs)
             if once.copies_like_traces:
+                if steps == 1:  # shared, or `group` would be 1 (above)
+                    return once.call(carry, inputs)
                 run = once.copier(inputs)
         return _repeat(run, steps, group, carry)
 
@@ -213,6 +216,19 @@ class _TracedOnce:
         return self._signature == _flat_signature(
             self._arguments(carry, inputs)
         )
+
+    def call(self, carry, inputs):
+        """One step, as a call of the trace: the function being traced
+        holds a call op rather than a copy of the step's ops.
+
+        For a lone step (the single-step function `fit` and `Trainer` start
+        on): copying a large step's ops took as long again as a fifth of
+        its trace (ResNet-50: 0.3-0.4 s of about 2.2 s), and the worker
+        inlines the call when it sets the function up, so the function runs
+        as fast as with a copy (docs/performance_log.md, "A lone step
+        calls its trace"). Copies repeat the step in one graph instead.
+        """
+        return self._concrete(*self._arguments(carry, inputs))
 
     def copier(self, inputs):
         """`run(carry)`: one more copy of the step, on `inputs`."""
