@@ -232,6 +232,18 @@ class KerasTest(absltest.TestCase):
         tf_internals.new_update_step(sgd, grads[0], var)
         self.assertEqual(var.numpy().tolist(), [0.0])
 
+    def test_new_unknown_variables(self):
+        adam = tf_keras.optimizers.Adam(0.1)
+        first, later = tf.Variable([1.0]), tf.Variable([2.0])
+        self.assertEqual(tf_internals.new_unknown_variables(adam, [later]), [])
+        adam.build([first])
+        self.assertEqual(
+            tf_internals.new_unknown_variables(adam, [first, later]), [later]
+        )
+        # Where the check would be wrong the update step itself fails.
+        with self.assertRaises(KeyError):
+            tf_internals.new_update_step(adam, tf.constant([1.0]), later)
+
     def test_track_child(self):
         parent = tf_keras.optimizers.legacy.SGD(0.1)
         child = tf.Variable(1.0)

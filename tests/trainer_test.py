@@ -410,6 +410,45 @@ class TrainerTest(parameterized.TestCase):
         self.assertEqual(int(optimizer.iterations.numpy()), 2)
         self.assertGreater(float(tf.reduce_sum(tf.abs(model.w))), 0.0)
 
+    def test_a_model_making_weights_at_its_first_call_is_refused(self):
+        # Adam is built when the Trainer is made, on the weights made in
+        # `__init__`; the layer built at the first call has no slots, and
+        # tf_keras's update step failed with a KeyError that suggested
+        # `optimizer.build`. Refused at the trace, before any step ran.
+        class Half(tf.keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.w = self.add_weight("w", shape=(4, 3), initializer="ones")
+                self.head = tf.keras.layers.Dense(3, name="head")
+
+            def call(self, x):
+                return self.head(tf.matmul(x, self.w))
+
+        strategy, _, optimizer = _parts()
+        with strategy.scope():
+            model = Half()
+        trainer = _trainer((strategy, model, optimizer), 2)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"^Adam was built before the model made \['\w+/head/kernel:0', "
+            r"'\w+/head/bias:0'\]: .*`model.build\(input_shape\)`.* "
+            r"Received: 2 of 3 variables with gradients unknown to "
+            r"optimizer=Adam$",
+        ):
+            trainer.train(_dataset_fn, epochs=1, steps_per_epoch=4)
+        self.assertEqual(int(optimizer.iterations.numpy()), 0)
+        self.assertEqual(float(tf.reduce_sum(model.w)), 12.0)
+        # As the message says: the model called on one batch first trains.
+        with strategy.scope():
+            model = Half()
+            model(_X[:1])
+            adam = tf2sync.SyncOptimizer(tf.keras.optimizers.Adam(0.01))
+        _trainer((strategy, model, adam), 2).train(
+            _dataset_fn, epochs=1, steps_per_epoch=4
+        )
+        self.assertEqual(int(adam.iterations.numpy()), 2)
+        self.assertNotEqual(float(tf.reduce_sum(model.w)), 12.0)
+
     def test_a_replaced_optimizers_trainer_changes_nothing(self):
         # Fine-tuning with a second Trainer: the first one's `train` must
         # not restore its old checkpoint over the new weights.

@@ -1335,6 +1335,17 @@ def new_update_step(optimizer, grad, var):
     return optimizer._update_step(grad, var)
 
 
+def new_unknown_variables(optimizer, var_list) -> list:
+    """The variables of `var_list` a built new-family optimizer has no
+    slots for: its update step would fail on them with a `KeyError`
+    (`_index_dict` maps the variables it was built on). Empty while it is
+    not built, or where it keeps no such map."""
+    known = getattr(optimizer, "_index_dict", None)
+    if not getattr(optimizer, "_built", False) or known is None:
+        return []
+    return [v for v in var_list if optimizer._var_key(v) not in known]
+
+
 def new_update_moving_averages(optimizer, var_list) -> None:
     """A new-family optimizer's `use_ema` update of the model's variables."""
     optimizer._update_model_variables_moving_average(var_list)
