@@ -16,7 +16,8 @@ of the function instead would run slower (TF calls it at every step rather
 than inlining it: 0.70-0.76 x the examples/s on w1 and w3), and tracing
 the step again per copy costs a step's trace per copy
 (docs/performance.md, "Time to the first update"). A lone step calls the
-trace (`_TracedOnce.call`). Functions that repeat
+trace (`_TracedOnce.call`): the worker inlined that call when it set the
+function up, which ran as fast as with a copy. Functions that repeat
 the same step can share that trace through a `StepTraces`: `fit`'s
 function of K steps, the single-step function its first call and an
 epoch's last, shorter call run (`Trainer`'s first loop too), and the
@@ -40,11 +41,11 @@ def repeating() -> bool:
     """Whether the step being traced is a copy of one trace in a graph.
 
     True inside `repeat` with at least 2 copies per group, or with a lone
-    step that copies a trace shared with another function (`StepTraces`).
+    step that calls a trace shared with another function (`StepTraces`).
     The aggregator then makes every push a call of one ps function, so
     that the ps instantiates it once per worker rather than once per copy
-    (a lone copy calls the function the shared trace's first function
-    set up).
+    (the shared trace holds that call, for every function copying or
+    calling it).
     """
     return getattr(_TRACING, "repeating", False)
 
