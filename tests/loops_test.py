@@ -238,6 +238,19 @@ class StartsOnSingleStepsTest(absltest.TestCase):
         self.assertFalse(loops.starts_on_single_steps(4, 1))  # a loop
 
 
+def _counting_steps(step, steps, traces):
+    """A function of one input `x` running `steps` of `step(count, x)`
+    from a count of 0, in groups of up to 10 copies sharing `traces`."""
+
+    @tf.function
+    def run(x):
+        return loops.repeat(
+            step, steps, 10, tf.constant(0), inputs=(x,), traces=traces
+        )
+
+    return run
+
+
 class StepTracesTest(absltest.TestCase):
     def test_functions_sharing_traces_trace_the_step_once(self):
         v = tf.Variable(0.0)
@@ -249,16 +262,7 @@ class StepTracesTest(absltest.TestCase):
             v.assign(v * 2.0 + tf.reduce_sum(x))
             return carry + 1
 
-        def function_of(steps):
-            @tf.function
-            def run(x):
-                return loops.repeat(
-                    step, steps, 10, tf.constant(0), inputs=(x,), traces=traces
-                )
-
-            return run
-
-        long, short = function_of(4), function_of(3)
+        long, short = (_counting_steps(step, n, traces) for n in (4, 3))
         self.assertEqual(int(long(tf.ones([2]))), 4)
         self.assertEqual(int(short(tf.ones([2]))), 3)
         self.assertEqual(traced, [[2]])
@@ -281,16 +285,7 @@ class StepTracesTest(absltest.TestCase):
             v.assign_add(tf.reduce_sum(tf.square(x)))
             return carry + 1
 
-        def function_of(steps):
-            @tf.function
-            def run(x):
-                return loops.repeat(
-                    step, steps, 10, tf.constant(0), inputs=(x,), traces=traces
-                )
-
-            return run
-
-        single, full = function_of(1), function_of(3)
+        single, full = (_counting_steps(step, n, traces) for n in (1, 3))
         self.assertEqual(int(single(tf.ones([2]))), 1)
         self.assertEqual(int(full(tf.ones([2]))), 3)
         self.assertEqual(float(v.numpy()), 8.0)

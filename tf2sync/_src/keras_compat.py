@@ -159,44 +159,6 @@ def build(optimizer, var_list) -> None:
                 tf_internals.new_compute_learning_rate(optimizer)
 
 
-def check_built_for(optimizer, var_list) -> None:
-    """Refuses variables that a built new-family optimizer has no state for.
-
-    tf_keras's new optimizers build their slots once, on the variables
-    they are first given, and later fail inside the traced update with a
-    `KeyError` that suggests `optimizer.build`. A subclassed model whose
-    layers are built at its first call makes such variables after
-    `tf2sync.Trainer` built the optimizer on the weights made in its
-    `__init__`. Legacy optimizers make slots as variables come, and
-    tf2sync's MultiOptimizer routes its own: nothing to check there.
-
-    Raises:
-      ValueError: Naming the variables unknown to the optimizer.
-    """
-    if (
-        is_legacy(optimizer)
-        or hasattr(optimizer, "apply_aggregated")
-        or is_tfa_multi(optimizer)
-    ):
-        return
-    unknown = tf_internals.new_unknown_variables(optimizer, var_list)
-    if not unknown:
-        return
-    names = [v.name for v in unknown]
-    raise ValueError(
-        f"{type(optimizer).__name__} was built before the model made "
-        f"{names}: its slots are made once, so every weight must exist "
-        "first (a subclassed model builds its layers at its first call, "
-        "and tf2sync.Trainer builds the optimizer when it is made). Build "
-        "the model under `strategy.scope()` before that, with "
-        "`model.build(input_shape)` or a call on one batch (a layer that "
-        "only training calls: call it too), or use a "
-        "`tf.keras.optimizers.legacy` optimizer. Received: "
-        f"{len(unknown)} of {len(var_list)} variables with gradients "
-        f"unknown to optimizer={type(optimizer).__name__}"
-    )
-
-
 def apply(optimizer, grads_and_vars) -> tf.Operation:
     """Applies already-aggregated gradients once and increments `iterations`.
 
@@ -293,9 +255,40 @@ def _apply_legacy(optimizer, grads_and_vars):
     return updates
 
 
+def _check_built_for(optimizer, var_list) -> None:
+    """Refuses variables that a built new-family optimizer has no state for.
+
+    tf_keras's new optimizers build their slots once, on the variables
+    they are first given, and later fail inside the traced update with a
+    `KeyError` that suggests `optimizer.build`. A subclassed model whose
+    layers are built at its first call makes such variables after
+    `tf2sync.Trainer` built the optimizer on the weights made in its
+    `__init__`. (Legacy optimizers make slots as variables come.)
+
+    Raises:
+      ValueError: Naming the variables unknown to the optimizer.
+    """
+    unknown = tf_internals.new_unknown_variables(optimizer, var_list)
+    if not unknown:
+        return
+    names = [v.name for v in unknown]
+    raise ValueError(
+        f"{type(optimizer).__name__} was built before the model made "
+        f"{names}: its slots are made once, so every weight must exist "
+        "first (a subclassed model builds its layers at its first call, "
+        "and tf2sync.Trainer builds the optimizer when it is made). Build "
+        "the model under `strategy.scope()` before that, with "
+        "`model.build(input_shape)` or a call on one batch (a layer that "
+        "only training calls: call it too), or use a "
+        "`tf.keras.optimizers.legacy` optimizer. Received: "
+        f"{len(unknown)} of {len(var_list)} variables with gradients "
+        f"unknown to optimizer={type(optimizer).__name__}"
+    )
+
+
 def _apply_new(optimizer, grads_and_vars):
     var_list = [v for _, v in grads_and_vars]
-    check_built_for(optimizer, var_list)
+    _check_built_for(optimizer, var_list)
     tf_internals.new_compute_learning_rate(optimizer)
     if not grads_and_vars:
         return []
