@@ -245,31 +245,62 @@ class CallbacksTest(absltest.TestCase):
             0.0125,
         )
 
-    def test_terminate_on_nan_runs_and_nan_steps_are_dropped_unlogged(self):
+    def test_terminate_on_nan_runs_and_stops_fit_on_a_nan_loss(self):
         # It reads fit's logs unconverted (`logs.get("loss")`), which stock
         # PSS's RemoteValue refuses (a TypeError from fit).
-        model = _compiled()
-
-        def fit(data, epochs):
-            return model.fit(
-                data,
-                epochs=epochs,
-                steps_per_epoch=4,
-                verbose=0,
-                callbacks=[tf.keras.callbacks.TerminateOnNaN()],
-            )
-
-        history = fit(_dataset(), 3)
+        history = _fit_terminating_on_nan(_compiled(), _dataset(), 3)
         self.assertLen(history.history["loss"], 3)
-        # A NaN step's push is dropped with its loss (the loss metric's
-        # writes ride the push): the logs show the loss of applied steps,
-        # so it never sees a NaN; nonfinite_dropped counts them.
+        # NaN features through a linear model: the loss is NaN (a ReLU's
+        # NaN may come out 0 or NaN, as the CPU's max instruction has it).
+        # The step's push is dropped, and TerminateOnNaN stops fit at the
+        # first call, whose loss it waits for: one step ran.
+        model = _compiled(model_fn=_linear_model)
         before = model.get_weights()
-        nan = tf.data.Dataset.from_tensors((_X * float("nan"), _Y)).repeat()
-        history = fit(nan, 2)
+        history = _fit_terminating_on_nan(model, _nan_features(), 2)
+        self.assertEqual(history.history["nonfinite_dropped"], [1])
+        self.assertTrue(math.isnan(history.history["loss"][0]))
+        self.assertEqual(testutil.max_abs_diff(model.get_weights(), before), 0)
+
+    def test_a_nan_gradient_of_a_finite_loss_is_dropped_and_fit_goes_on(self):
+        # Each step's loss is finite and its gradients NaN: each push is
+        # dropped and counted, the weights stay, and nothing stops fit.
+        model = _compiled(model_fn=_nan_gradient_model)
+        before = model.get_weights()
+        history = _fit_terminating_on_nan(model, _dataset(), 2)
         self.assertEqual(history.history["nonfinite_dropped"], [4, 8])
         self.assertTrue(all(math.isfinite(v) for v in history.history["loss"]))
         self.assertEqual(testutil.max_abs_diff(model.get_weights(), before), 0)
+
+
+def _fit_terminating_on_nan(model, data, epochs):
+    return model.fit(
+        data,
+        epochs=epochs,
+        steps_per_epoch=4,
+        verbose=0,
+        callbacks=[tf.keras.callbacks.TerminateOnNaN()],
+    )
+
+
+def _nan_features():
+    return tf.data.Dataset.from_tensors((_X * float("nan"), _Y)).repeat()
+
+
+def _linear_model():
+    tf.keras.utils.set_random_seed(0)
+    return tf.keras.Sequential([tf.keras.layers.Dense(3, input_shape=(4,))])
+
+
+def _nan_gradient_model():
+    """Finite outputs, NaN gradients: sqrt(|t - t|) adds 0 forward;
+    backward, sqrt's gradient at 0 (infinite) times abs's (0) is NaN."""
+    model = testutil.dense_model()
+    model.add(
+        tf.keras.layers.Lambda(
+            lambda t: t + tf.sqrt(tf.abs(t - tf.stop_gradient(t)))
+        )
+    )
+    return model
 
 
 class _SlowReplica(tf.keras.Sequential):
