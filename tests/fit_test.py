@@ -12,6 +12,7 @@ from absl.testing import parameterized
 
 import tf2sync
 from tf2sync._src import coordinator as sync_coordinator
+from tf2sync._src import loops
 from tf2sync._src import unrolled_fit
 
 
@@ -322,6 +323,39 @@ class FitTest(parameterized.TestCase):
             )
         model.fit(ds, epochs=1, steps_per_epoch=8, verbose=0)
         self.assertEqual(sorted(model.train_function.functions), [4])
+
+    @parameterized.parameters(True, False)
+    def test_the_full_function_waits_for_the_first_step_where_cpus_are_shared(
+        self, shared
+    ):
+        # Where the chief shares the workers' CPUs (loops.waits_for_first
+        # _step), the call that traces the full function first waits for
+        # the first single step's result.
+        model = _compiled(steps_per_execution=5)
+        x, y, ds = _full_batches()
+        coordinator_class = sync_coordinator.SyncCoordinator
+        schedule = coordinator_class.schedule
+        events = []
+
+        def recording(coordinator, fn, args=None, kwargs=None):
+            value = schedule(coordinator, fn, args=args, kwargs=kwargs)
+            events.append(_steps_by_function(model).get(id(fn)))
+            return (
+                testutil.FetchRecorded(value, events)
+                if len(events) == 1
+                else value
+            )
+
+        with (
+            mock.patch.object(coordinator_class, "schedule", recording),
+            mock.patch.object(
+                loops, "waits_for_first_step", return_value=shared
+            ),
+        ):
+            model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
+        waited = ["fetched"] if shared else []
+        self.assertEqual(events, [1] * 5 + waited + [5])
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 5)
 
     def test_an_epochs_last_call_runs_single_steps(self):
         # 13 steps of 5: the last 3 of each epoch as single-step functions,

@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import re
+import socket
 from unittest import mock
 
 import tensorflow as tf
@@ -236,6 +237,41 @@ class StartsOnSingleStepsTest(absltest.TestCase):
         self.assertFalse(loops.starts_on_single_steps(1, 10))  # one already
         self.assertFalse(loops.starts_on_single_steps(11, 10))  # a loop
         self.assertFalse(loops.starts_on_single_steps(4, 1))  # a loop
+
+
+def _resolver(*workers):
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": list(workers), "ps": ["10.0.0.9:1"]})
+    )
+
+
+class WaitsForFirstStepTest(absltest.TestCase):
+    def _waits(self, resolver, cpus, single_steps=10):
+        with mock.patch.object(loops, "_usable_cpus", return_value=cpus):
+            return loops.waits_for_first_step(resolver, single_steps)
+
+    def test_only_where_local_workers_and_the_chief_outnumber_the_cpus(self):
+        local = _resolver("127.0.0.1:1", "localhost:2")
+        self.assertTrue(self._waits(local, 2))  # 2 workers + chief > 2
+        self.assertFalse(self._waits(local, 3))
+        self.assertFalse(self._waits(local, 16))
+        # Workers elsewhere set up on CPUs of their own.
+        self.assertFalse(self._waits(_resolver("10.0.0.1:1", "w1:2"), 1))
+        mixed = _resolver("10.0.0.1:1", "[::1]:2", "127.0.0.2:3")
+        self.assertTrue(self._waits(mixed, 2))  # 2 of 3 here
+        self.assertFalse(self._waits(mixed, 3))
+        named = _resolver(f"{socket.gethostname()}:1")
+        self.assertTrue(self._waits(named, 1))
+        self.assertFalse(self._waits(None, 1))  # no cluster
+        no_workers = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({"ps": ["127.0.0.1:1"]})
+        )
+        self.assertFalse(self._waits(no_workers, 1))
+
+    def test_only_where_single_steps_remain_after_each_workers_first(self):
+        local = _resolver("127.0.0.1:1", "localhost:2")
+        self.assertTrue(self._waits(local, 2, single_steps=3))
+        self.assertFalse(self._waits(local, 2, single_steps=2))
 
 
 def _counting_steps(step, steps, traces):

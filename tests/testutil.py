@@ -282,3 +282,16 @@ def predict_in_plain_process(test, path, x):
     """`load_model(path, compile=False).predict(x)` in a new process that
     never imports tf2sync; fails `test` with its stderr if it exits non-0."""
     return _on_x_in_new_process(test, _PREDICT, path, x)
+
+
+class FetchRecorded:
+    """A scheduled function's `RemoteValue` that notes each fetch
+    in `events` (as "fetched")."""
+
+    def __init__(self, value, events):
+        self._value = value
+        self._events = events
+
+    def fetch(self):
+        self._events.append("fetched")
+        return self._value.fetch()

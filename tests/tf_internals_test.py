@@ -132,6 +132,23 @@ class VariableAndDatasetTest(absltest.TestCase):
         self.assertEqual(tf_internals.num_workers(strategy), 1)
 
 
+class ClusterResolverTest(absltest.TestCase):
+    def test_the_resolver_kept_where_the_public_property_has_none(self):
+        self.assertIsNone(
+            tf_internals.cluster_resolver(tf.distribute.get_strategy())
+        )
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({"worker": ["127.0.0.1:1"]})
+        )
+        # As PSS: the property answers None, the attribute holds it.
+        kept = types.SimpleNamespace(
+            cluster_resolver=None, _cluster_resolver=resolver
+        )
+        self.assertIs(tf_internals.cluster_resolver(kept), resolver)
+        public = types.SimpleNamespace(cluster_resolver=resolver)
+        self.assertIs(tf_internals.cluster_resolver(public), resolver)
+
+
 class StackTest(absltest.TestCase):
     def test_caller_self_of_type_finds_the_nearest_caller(self):
         class _Handler:

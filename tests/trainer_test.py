@@ -14,6 +14,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import tf2sync
+from tf2sync._src import loops
 from tf2sync._src import trainer as trainer_lib
 from tf2sync._src import trainer_checks
 
@@ -232,6 +233,41 @@ class TrainerTest(parameterized.TestCase):
         with mock.patch.object(trainer.coordinator, "schedule", recording):
             trainer.train(_dataset_fn, epochs=1, steps_per_epoch=8)
         self.assertEqual(scheduled, ["loop"] * 2)
+
+    @parameterized.parameters(True, False)
+    def test_the_first_loop_waits_for_the_first_step_where_cpus_are_shared(
+        self, shared
+    ):
+        # Where the chief shares the workers' CPUs (loops.waits_for_first
+        # _step), the full loop's schedule (its trace) waits for the first
+        # single step's result; elsewhere it follows the single steps.
+        strategy, model, optimizer = _parts()
+        trainer = _trainer((strategy, model, optimizer), 4)
+        schedule = trainer.coordinator.schedule
+        events = []
+
+        def recording(fn, args=None, kwargs=None):
+            value = schedule(fn, args=args, kwargs=kwargs)
+            events.append("loop" if fn is trainer._loop else "single")
+            return (
+                testutil.FetchRecorded(value, events)
+                if len(events) == 1
+                else value
+            )
+
+        with (
+            mock.patch.object(trainer.coordinator, "schedule", recording),
+            mock.patch.object(
+                loops, "waits_for_first_step", return_value=shared
+            ),
+        ):
+            trainer.train(_dataset_fn, epochs=1, steps_per_epoch=12)
+        # Then fetched again with the epoch's losses.
+        waited = ["fetched"] if shared else []
+        self.assertEqual(
+            events, ["single"] * 4 + waited + ["loop", "loop", "fetched"]
+        )
+        self.assertEqual(int(optimizer.iterations.numpy()), 6)
 
     def test_an_epochs_loss_weighs_each_function_by_its_steps(self):
         strategy, model, optimizer = _parts()

@@ -27,6 +27,9 @@ pieces of a call split over the workers.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import os
+import socket
 import threading
 
 import tensorflow as tf
@@ -136,6 +139,57 @@ def starts_on_single_steps(steps: int, group: int) -> bool:
     functions as steps.
     """
     return 1 < steps <= group
+
+
+def waits_for_first_step(cluster_resolver, single_steps: int) -> bool:
+    """Whether a run that starts on `single_steps` single-step functions
+    traces its full function only once the first of them has returned.
+
+    Tracing the full function (its copies of the step) while the workers
+    set up the single-step function overlaps the two where they run on
+    machines of their own. Where workers share the chief's CPUs (the local
+    mode, an in-process cluster), the trace takes CPU from their set-up and
+    the first update waits for it: there the chief traces after the first
+    step instead, while the workers run the other single steps. That is
+    where more of them, with the chief, would run than this process has
+    CPUs, and where single steps remain once each worker has run one
+    (otherwise the workers would only wait for the trace; docs/
+    performance.md, "Time to the first update").
+
+    Args:
+      cluster_resolver: The strategy's `ClusterResolver`, or None (a
+        strategy without a cluster: False).
+      single_steps: The single-step functions the run starts on.
+    """
+    if cluster_resolver is None:
+        return False
+    try:
+        tasks = cluster_resolver.cluster_spec().job_tasks("worker")
+    except ValueError:  # no worker job
+        return False
+    local = sum(1 for address in tasks if _on_this_host(address))
+    return (
+        local > 0 and local + 1 > _usable_cpus() and single_steps > len(tasks)
+    )
+
+
+def _on_this_host(address: str) -> bool:
+    """Whether a task's `host:port` names this machine (its loopback or
+    its host name; another address counts as another machine)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("localhost", socket.gethostname()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 class StepTraces:

@@ -478,6 +478,15 @@ def num_workers(strategy) -> int:
     return int(getattr(strategy.extended, "_num_workers", 1))
 
 
+def cluster_resolver(strategy):
+    """The strategy's `ClusterResolver`, or None. PSS keeps the one it was
+    given in `_cluster_resolver`; its public `cluster_resolver` property
+    answers None."""
+    return strategy.cluster_resolver or getattr(
+        strategy, "_cluster_resolver", None
+    )
+
+
 def num_gpus_per_worker(strategy) -> int:
     """A PSS's GPUs per worker (`extended._num_gpus_per_worker`)."""
     return int(strategy.extended._num_gpus_per_worker)

@@ -496,10 +496,21 @@ class Trainer:
                     if function is not None:
                         self.coordinator.planned(function)
         try:
-            results = [
-                (self.coordinator.schedule(function, args=(iterator,)), steps)
-                for function, steps in functions
-            ]
+            # The first loop's trace waits for its first single step where
+            # the chief shares the workers' CPUs (see the function).
+            wait = single is not None and loops.waits_for_first_step(
+                tf_internals.cluster_resolver(self.strategy),
+                self.steps_per_loop,
+            )
+            results = []
+            for function, steps in functions:
+                if wait and function is loop:
+                    results[0][0].fetch()
+                    wait = False
+                scheduled = self.coordinator.schedule(
+                    function, args=(iterator,)
+                )
+                results.append((scheduled, steps))
             loss = self._fetch_mean_loss(results)
             self.coordinator.join()
         except tf.errors.OutOfRangeError as e:

@@ -145,11 +145,17 @@ def _scheduler(model, coordinator, sync):
     # One trace of the step for the functions of one kind (fit's of
     # several lengths: single steps, the full call, a split call's pieces).
     traces = {}
+    # The first call's first function, where a call that traces a function
+    # waits for it (`loops.waits_for_first_step`).
+    first_step = []
 
-    def function_of(steps, service):
+    def key_of(steps, service):
         # One function per value, as fit's data handler counts them.
         # One function per pass object: its steps mark that one's passes.
-        key = steps if service is None else (steps, "pass", id(service))
+        return steps if service is None else (steps, "pass", id(service))
+
+    def function_of(steps, service):
+        key = key_of(steps, service)
         function = functions.get(key)
         if function is None:
             shared = traces.setdefault(
@@ -168,6 +174,7 @@ def _scheduler(model, coordinator, sync):
         handler = tf_internals.running_fit_data_handler(model)
         steps = _steps_of_call(model, handler)
         service = data_service.pass_of(handler)
+        first = not functions
         pieces = [steps]
         if service is None and not _traces_before_dispatch(model):
             options = options_lib.of_strategy(model.distribute_strategy)
@@ -175,13 +182,29 @@ def _scheduler(model, coordinator, sync):
                 steps,
                 handler,
                 coordinator,
-                first=not functions,
+                first=first,
                 group=options.max_unrolled_steps,
             )
+        if first_step and any(
+            key_of(p, service) not in functions for p in pieces
+        ):
+            first_step.pop().fetch()  # before a trace (see first_step)
         functions_of_call = [function_of(piece, service) for piece in pieces]
         _plan(coordinator, functions_of_call, handler)
-        for function in functions_of_call:
-            logs = coordinator.schedule(function, args=(iterator,))
+        scheduled = [
+            coordinator.schedule(function, args=(iterator,))
+            for function in functions_of_call
+        ]
+        if (
+            first
+            and len(scheduled) > 1
+            and loops.waits_for_first_step(
+                tf_internals.cluster_resolver(model.distribute_strategy),
+                len(scheduled),
+            )
+        ):
+            first_step.append(scheduled[0])
+        logs = scheduled[-1]
         if not getattr(model, "_tf2sync_epoch_end_warm", False):
             _warm_epoch_end(model)
         return (
