@@ -13,6 +13,7 @@ from absl.testing import parameterized
 import tf2sync
 from tf2sync._src import coordinator as sync_coordinator
 from tf2sync._src import loops
+from tf2sync._src import tf_internals
 from tf2sync._src import unrolled_fit
 
 
@@ -328,9 +329,10 @@ class FitTest(parameterized.TestCase):
     def test_the_full_function_waits_for_the_first_step_where_cpus_are_shared(
         self, shared
     ):
-        # Where the chief shares the workers' CPUs (loops.waits_for_first
-        # _step), the call that traces the full function first waits for
-        # the first single step's result.
+        # Where the chief shares the workers' CPUs
+        # (`loops.waits_for_first_step`, patched here: unpatched, it says
+        # True on 2 cores), the call that traces the full function first
+        # waits for the first single step's result.
         model = _compiled(steps_per_execution=5)
         x, y, ds = _full_batches()
         coordinator_class = sync_coordinator.SyncCoordinator
@@ -350,12 +352,35 @@ class FitTest(parameterized.TestCase):
             mock.patch.object(coordinator_class, "schedule", recording),
             mock.patch.object(
                 loops, "waits_for_first_step", return_value=shared
-            ),
+            ) as waits,
         ):
             model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
-        waited = ["fetched"] if shared else []
-        self.assertEqual(events, [1] * 5 + waited + [5])
-        self.assertEqual(int(model.optimizer.iterations.numpy()), 5)
+            waited = ["fetched"] if shared else []
+            self.assertEqual(events, [1] * 5 + waited + [5])
+            self.assertEqual(int(model.optimizer.iterations.numpy()), 5)
+            # Asked with the cluster's resolver and the first call's steps.
+            resolver = tf_internals.cluster_resolver(model.distribute_strategy)
+            self.assertLen(resolver.cluster_spec().job_tasks("worker"), 2)
+            waits.assert_called_once_with(resolver, 5)
+            # A later fit waits for nothing of this one.
+            del events[:]
+            model.fit(ds, epochs=1, steps_per_epoch=15, verbose=0)
+            self.assertEqual(events, [5, 5, 5])
+
+    def test_a_later_fit_does_not_wait_for_an_earlier_fits_first_step(self):
+        # The first fit runs its one call as single steps and traces no
+        # other function; the next fit's first call traces the full one.
+        model = _compiled(steps_per_execution=5)
+        x, y, ds = _full_batches()
+        first = mock.Mock()
+        with (
+            mock.patch.object(loops, "waits_for_first_step", return_value=True),
+            mock.patch.object(loops, "wait_for_first_step", first),
+        ):
+            model.fit(ds, epochs=1, steps_per_epoch=5, verbose=0)
+            model.fit(ds, epochs=1, steps_per_epoch=10, verbose=0)
+        first.assert_not_called()
+        self.assertEqual(sorted(model.train_function.functions), [1, 5])
 
     def test_an_epochs_last_call_runs_single_steps(self):
         # 13 steps of 5: the last 3 of each epoch as single-step functions,

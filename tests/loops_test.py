@@ -267,11 +267,33 @@ class WaitsForFirstStepTest(absltest.TestCase):
             tf.train.ClusterSpec({"ps": ["127.0.0.1:1"]})
         )
         self.assertFalse(self._waits(no_workers, 1))
+        gaps = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({"worker": {0: "127.0.0.1:1", 2: "h:2"}})
+        )
+        self.assertTrue(self._waits(gaps, 1))  # task 1 listed as None
 
     def test_only_where_single_steps_remain_after_each_workers_first(self):
         local = _resolver("127.0.0.1:1", "localhost:2")
         self.assertTrue(self._waits(local, 2, single_steps=3))
         self.assertFalse(self._waits(local, 2, single_steps=2))
+
+
+class WaitForFirstStepTest(absltest.TestCase):
+    def test_raises_its_error_but_not_a_cancellation(self):
+        cancelled = mock.Mock()
+        cancelled.fetch.side_effect = tf.errors.CancelledError(
+            None, None, "cancelled by another function's error"
+        )
+        loops.wait_for_first_step(cancelled)  # the schedule raises that one
+        failed = mock.Mock()
+        failed.fetch.side_effect = tf.errors.InvalidArgumentError(
+            None, None, "the step's own"
+        )
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "own"):
+            loops.wait_for_first_step(failed)
+        done = mock.Mock()
+        loops.wait_for_first_step(done)
+        done.fetch.assert_called_once_with()
 
 
 def _counting_steps(step, steps, traces):

@@ -15,6 +15,7 @@ from absl.testing import parameterized
 
 import tf2sync
 from tf2sync._src import loops
+from tf2sync._src import tf_internals
 from tf2sync._src import trainer as trainer_lib
 from tf2sync._src import trainer_checks
 
@@ -238,9 +239,11 @@ class TrainerTest(parameterized.TestCase):
     def test_the_first_loop_waits_for_the_first_step_where_cpus_are_shared(
         self, shared
     ):
-        # Where the chief shares the workers' CPUs (loops.waits_for_first
-        # _step), the full loop's schedule (its trace) waits for the first
-        # single step's result; elsewhere it follows the single steps.
+        # Where the chief shares the workers' CPUs
+        # (`loops.waits_for_first_step`, patched here: unpatched, it says
+        # True on 2 cores), the full loop's schedule (its trace) waits for
+        # the first single step's result; elsewhere it follows the single
+        # steps.
         strategy, model, optimizer = _parts()
         trainer = _trainer((strategy, model, optimizer), 4)
         schedule = trainer.coordinator.schedule
@@ -259,9 +262,13 @@ class TrainerTest(parameterized.TestCase):
             mock.patch.object(trainer.coordinator, "schedule", recording),
             mock.patch.object(
                 loops, "waits_for_first_step", return_value=shared
-            ),
+            ) as waits,
         ):
             trainer.train(_dataset_fn, epochs=1, steps_per_epoch=12)
+        # Asked with the cluster's resolver and the first loop's steps.
+        resolver = tf_internals.cluster_resolver(strategy)
+        self.assertLen(resolver.cluster_spec().job_tasks("worker"), 2)
+        waits.assert_called_once_with(resolver, 4)
         # Then fetched again with the epoch's losses.
         waited = ["fetched"] if shared else []
         self.assertEqual(

@@ -133,7 +133,8 @@ def starts_on_single_steps(steps: int, group: int) -> bool:
     Where the call's steps are all copies in one graph (at most `group`)
     and more than one: the workers first set up a function of one copy
     rather than of `steps`, so the first update comes sooner, and the
-    full function (traced meanwhile) is set up at the next call instead
+    full function (traced meanwhile, or after the first step where
+    `waits_for_first_step`) is set up at the next call instead
     (docs/performance.md, "Time to the first update"). Past one group a
     `tf.while_loop` runs the groups, and splitting would take as many
     functions as steps.
@@ -151,10 +152,11 @@ def waits_for_first_step(cluster_resolver, single_steps: int) -> bool:
     mode, an in-process cluster), the trace takes CPU from their set-up and
     the first update waits for it: there the chief traces after the first
     step instead, while the workers run the other single steps. That is
-    where more of them, with the chief, would run than this process has
-    CPUs, and where single steps remain once each worker has run one
-    (otherwise the workers would only wait for the trace; docs/
-    performance.md, "Time to the first update").
+    where the workers on this machine, with the chief, outnumber the CPUs
+    this process may use (ps tasks are not counted: they set up little),
+    and where single steps remain once each worker has run one (otherwise
+    the workers would only wait for the trace; docs/performance.md, "Time
+    to the first update").
 
     Args:
       cluster_resolver: The strategy's `ClusterResolver`, or None (a
@@ -167,10 +169,22 @@ def waits_for_first_step(cluster_resolver, single_steps: int) -> bool:
         tasks = cluster_resolver.cluster_spec().job_tasks("worker")
     except ValueError:  # no worker job
         return False
-    local = sum(1 for address in tasks if _on_this_host(address))
+    # A spec with gaps in its task indices lists None for the gaps.
+    local = sum(1 for address in tasks if address and _on_this_host(address))
     return (
         local > 0 and local + 1 > _usable_cpus() and single_steps > len(tasks)
     )
+
+
+def wait_for_first_step(first_step) -> None:
+    """Waits for `first_step`, the `RemoteValue` of a run's first single
+    step (see `waits_for_first_step`). Its error is raised; a cancellation
+    is not (another function's error cancelled it, and the coordinator
+    raises that error at the next `schedule`)."""
+    try:
+        first_step.fetch()
+    except tf.errors.CancelledError:
+        pass
 
 
 def _on_this_host(address: str) -> bool:
@@ -186,6 +200,8 @@ def _on_this_host(address: str) -> bool:
 
 
 def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity; a cgroup's CPU quota,
+    as a container's, is not read: such a process counts its host's)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

@@ -505,7 +505,7 @@ class Trainer:
             results = []
             for function, steps in functions:
                 if wait and function is loop:
-                    results[0][0].fetch()
+                    loops.wait_for_first_step(results[0][0])
                     wait = False
                 scheduled = self.coordinator.schedule(
                     function, args=(iterator,)

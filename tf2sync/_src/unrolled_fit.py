@@ -145,8 +145,9 @@ def _scheduler(model, coordinator, sync):
     # One trace of the step for the functions of one kind (fit's of
     # several lengths: single steps, the full call, a split call's pieces).
     traces = {}
-    # The first call's first function, where a call that traces a function
-    # waits for it (`loops.waits_for_first_step`).
+    # `(data handler, RemoteValue)`: the first call's first single step,
+    # kept (where `loops.waits_for_first_step`) for the next call, which
+    # waits for it if it traces a function in the same `fit`.
     first_step = []
 
     def key_of(steps, service):
@@ -185,10 +186,13 @@ def _scheduler(model, coordinator, sync):
                 first=first,
                 group=options.max_unrolled_steps,
             )
-        if first_step and any(
-            key_of(p, service) not in functions for p in pieces
+        of_fit, waiting = first_step.pop() if first_step else (None, None)
+        if (
+            waiting is not None
+            and of_fit is handler
+            and any(key_of(p, service) not in functions for p in pieces)
         ):
-            first_step.pop().fetch()  # before a trace (see first_step)
+            loops.wait_for_first_step(waiting)
         functions_of_call = [function_of(piece, service) for piece in pieces]
         _plan(coordinator, functions_of_call, handler)
         scheduled = [
@@ -203,7 +207,7 @@ def _scheduler(model, coordinator, sync):
                 len(scheduled),
             )
         ):
-            first_step.append(scheduled[0])
+            first_step.append((handler, scheduled[0]))
         logs = scheduled[-1]
         if not getattr(model, "_tf2sync_epoch_end_warm", False):
             _warm_epoch_end(model)
