@@ -181,10 +181,8 @@ def wait_for_first_step(first_step) -> None:
     step (see `waits_for_first_step`). Its error is raised; a cancellation
     is not (another function's error cancelled it, and the coordinator
     raises that error at the next `schedule`)."""
-    try:
+    with contextlib.suppress(tf.errors.CancelledError):
         first_step.fetch()
-    except tf.errors.CancelledError:
-        pass
 
 
 def _on_this_host(address: str) -> bool:

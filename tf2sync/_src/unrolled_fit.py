@@ -199,13 +199,9 @@ def _scheduler(model, coordinator, sync):
             coordinator.schedule(function, args=(iterator,))
             for function in functions_of_call
         ]
-        if (
-            first
-            and len(scheduled) > 1
-            and loops.waits_for_first_step(
-                tf_internals.cluster_resolver(model.distribute_strategy),
-                len(scheduled),
-            )
+        if first and loops.waits_for_first_step(
+            tf_internals.cluster_resolver(model.distribute_strategy),
+            len(scheduled),
         ):
             first_step.append((handler, scheduled[0]))
         logs = scheduled[-1]
