@@ -433,10 +433,9 @@ launch.run()
 """
 
 
-# Prints `launch._cluster_source()` (or its usage error) for each case of
+# Prints `launch_input.cluster_source()` (or its usage error) for each case of
 # argv[1], a JSON list of [flags, environment]: flags parsed, nothing run.
 _SOURCES = """
-import json
 import json
 import os
 import sys
@@ -444,7 +443,7 @@ import sys
 from absl import app
 from absl import flags
 
-from tf2sync._src import launch
+from tf2sync._src import launch_input
 
 base = dict(os.environ)
 for args, environ in json.loads(sys.argv[1]):
@@ -453,7 +452,7 @@ for args, environ in json.loads(sys.argv[1]):
     flags.FLAGS.unparse_flags()
     flags.FLAGS(["tf2sync", *args])
     try:
-        print(launch._cluster_source())
+        print(launch_input.cluster_source())
     except app.UsageError as e:
         print(f"usage error {e.exitcode}: {e}")
 """

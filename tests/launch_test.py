@@ -675,21 +675,21 @@ class PublicAddressWarningTest(absltest.TestCase):
     """The check only reads the host list: nothing is contacted."""
 
     def test_public_address_warns(self):
-        from tf2sync._src import launch
+        from tf2sync._src import launch_input
 
         with self.assertLogs(level="WARNING") as logs:
-            launch._warn_public(["127.0.0.1:2222", "8.8.8.8:2222"])
+            launch_input.warn_public(["127.0.0.1:2222", "8.8.8.8:2222"])
         self.assertLen(logs.records, 1)
         self.assertIn("8.8.8.8:2222 is a public address", logs.output[0])
 
     def test_private_and_names_do_not_warn(self):
         from absl import logging
 
-        from tf2sync._src import launch
+        from tf2sync._src import launch_input
 
         with self.assertLogs(level="WARNING") as logs:
             logging.warning("sentinel")  # assertLogs needs one record
-            launch._warn_public(
+            launch_input.warn_public(
                 ["10.0.0.1:1", "192.168.1.2:1", "ps-0.svc:2222", "[::1]:1"]
             )
         self.assertEqual([r.getMessage() for r in logs.records], ["sentinel"])

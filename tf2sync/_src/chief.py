@@ -20,7 +20,7 @@ from tf2sync._src import watchdog
 
 @dataclasses.dataclass(frozen=True)
 class ChiefConfig:
-    """What the launcher's flags ask of the chief (see `launch.py`)."""
+    """What the launcher's flags ask of the chief (see `launch_flags.py`)."""
 
     replicas_to_aggregate: int | None = None
     total_num_replicas: int | None = None

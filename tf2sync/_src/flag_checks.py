@@ -2,8 +2,8 @@
 
 Each check raises absl's `app.UsageError` (exit code 2: absl prints the
 usage hint and the message) with one line that names the flag, or
-`TF_CONFIG`, and the value received. `launch.py` runs them all from one
-place (`launch._check_input`), before any task starts and before the chief
+`TF_CONFIG`, and the value received. `launch_input.check_input` runs them
+all from one place, before any task starts and before the chief
 connects. Nothing here imports TensorFlow; what a checkpoint holds is
 checked by `checkpointing.check_model_fits`.
 """
