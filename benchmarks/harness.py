@@ -56,7 +56,9 @@ previous commit): every tf2sync system of the main scenario also runs from
 PATH, as `<system>@baseline` (PATH/benchmarks/pss_worker.py with
 PYTHONPATH=PATH, on a cluster of its own), interleaved in the same rounds
 as the current tree's; the report adds "Before and after" (current /
-baseline, PASS at >= 0.95). Other systems run once, from this tree.
+baseline, PASS at >= 0.95 for the median of the rounds' own ratios, which
+a slower cluster build does not move). Other systems run once, from this
+tree.
 
 Synchronous systems count aggregated examples only (accepted gradients x
 B); asynchronous ones count every applied step. Writes JSON lines, a

@@ -129,11 +129,35 @@ def main_section(records) -> list[str]:
     return lines
 
 
+def paired_ratios(records, workload, system) -> list[float]:
+    """current / baseline of `system` in each round both trees ran.
+
+    A round (`cluster`, `repeat`) runs every system once, one after the
+    other; a cluster build, or the machine for a while, can be slower for
+    both trees alike (docs/benchmarks.md: one build at two thirds of the
+    next's speed), which pooled medians mix and a ratio within the round
+    cancels.
+    """
+    by_round = {}
+    for r in runs(records, "main"):
+        if r.get("workload") == workload and "repeat" in r:
+            key = (r.get("cluster", 0), r["repeat"])
+            by_round.setdefault(key, {})[r["system"]] = r["examples_per_sec"]
+    then = system + BASELINE
+    return [
+        rate[system] / rate[then]
+        for _, rate in sorted(by_round.items())
+        if rate.get(system) is not None and rate.get(then)
+    ]
+
+
 def before_after_rows(records) -> list[dict]:
     """Per workload and tf2sync system run from --baseline_tree: the medians
-    of examples/s of the current tree and the baseline, current / baseline,
-    each one's ratios to local and tf1_sync, and PASS / MISS / n/a for
-    current / baseline >= BASELINE_KEEP. None where not measured."""
+    of examples/s of the current tree and the baseline and their ratio, the
+    median of the rounds' own ratios (`paired_ratios`), each tree's ratios
+    to local and tf1_sync, and PASS / MISS / n/a for current / baseline >=
+    BASELINE_KEEP: the rounds' median where rounds paired, else the
+    medians' ratio. None where not measured."""
     found = rates(records, "main")
     cpu = rates(records, "main", "cpu_us_per_example")
     failed = {
@@ -154,7 +178,9 @@ def before_after_rows(records) -> list[dict]:
                 continue
             now_rate = median(found.get((workload, system)))
             then_rate = median(found.get((workload, then)))
-            kept = ratio(now_rate, then_rate)
+            pooled = ratio(now_rate, then_rate)
+            paired = paired_ratios(records, workload, system)
+            kept = median(paired) if paired else pooled
             rows.append(
                 {
                     "workload": workload,
@@ -165,7 +191,10 @@ def before_after_rows(records) -> list[dict]:
                         len(found.get((workload, system), [])),
                         len(found.get((workload, then), [])),
                     ),
-                    "ratio": kept,
+                    "ratio": pooled,
+                    "paired": median(paired),
+                    "rounds": len(paired),
+                    "kept": kept,
                     "vs_local": (
                         ratio(now_rate, local),
                         ratio(then_rate, local),
@@ -209,6 +238,7 @@ def before_after_section(records) -> list[str]:
             fmt(r["baseline"]),
             pair(r["runs"], "d"),
             fmt(r["ratio"], ".3f"),
+            f"{fmt(r['paired'], '.3f')} ({r['rounds']})",
             pair(r["vs_local"], ".2f"),
             pair(r["vs_tf1_sync"], ".2f"),
             pair(r["cpu_us"], ".1f"),
@@ -225,6 +255,7 @@ def before_after_section(records) -> list[str]:
     )
     header = ["workload", "system", "current ex/s", "baseline ex/s"]
     header += ["runs (current / baseline)", "current / baseline"]
+    header += ["paired rounds: median (rounds)"]
     header += ["vs local (current / baseline)"]
     header += ["vs tf1_sync (current / baseline)"]
     header += ["CPU us / ex (current / baseline)"]
@@ -234,9 +265,12 @@ def before_after_section(records) -> list[str]:
         f"the baseline tree `{tree}` (`<system>{BASELINE}`: that tree's "
         "own `benchmarks/pss_worker.py` and `tf2sync`, on a cluster of its "
         "own), interleaved in the same rounds. Examples/s are medians of "
-        "the repeats; *current / baseline* is their ratio; the ratios to "
-        "`local` and `tf1_sync` are each version's median over the same "
-        f"run's (run once, from this tree). {verdict}",
+        "the repeats; *current / baseline* is their ratio; *paired rounds* "
+        "is the median of each round's own current / baseline (both trees "
+        "one after the other), which a faster or slower cluster build "
+        "does not move, and decides the result where rounds paired; the "
+        "ratios to `local` and `tf1_sync` are each version's median over "
+        f"the same run's (run once, from this tree). {verdict}",
         "",
         *table(header, rows),
         "",

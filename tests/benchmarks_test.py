@@ -527,6 +527,56 @@ class ReportTest(absltest.TestCase):
         self.assertEqual((fit["measured"], fit["result"]), ("0.92", "MISS"))
         self.assertStartsWith(rows["w2 tf2sync_loop / local"]["result"], "n/a")
 
+    def test_before_and_after_pairs_each_round_of_both_trees(self):
+        """A slow cluster build slows both trees: the rounds' own ratios
+        decide, not the pooled medians (which it would tip to MISS)."""
+        report = _load_report()
+
+        def run(system, cluster, repeat, rate):
+            return {
+                "scenario": "main",
+                "workload": "w1",
+                "system": system,
+                "cluster": cluster,
+                "repeat": repeat,
+                "examples_per_sec": rate,
+            }
+
+        loop, then = "tf2sync_loop", "tf2sync_loop@baseline"
+        records = [
+            {"event": "config", "baseline_tree": "/tmp/base", "repeats": 3},
+            # Build 0 at 60 % of build 1's speed, for both trees; the
+            # current tree 0.96-0.99 x the baseline within every round.
+            run(loop, 0, 0, 58.0),
+            run(then, 0, 0, 60.0),
+            run(loop, 0, 1, 59.0),
+            run(then, 0, 1, 60.0),
+            run(loop, 1, 2, 97.0),
+            run(then, 1, 2, 100.0),
+            run(loop, 1, 3, 98.0),
+            run(then, 1, 3, 100.0),
+            run(loop, 1, 4, 99.0),
+            run(then, 1, 4, 100.0),
+            # A round the baseline did not finish pairs nothing.
+            run(loop, 0, 5, 10.0),
+            run("tf2sync_fit", 0, 0, 90.0),
+            run("tf2sync_fit@baseline", 0, 0, 100.0),
+        ]
+        rows = {
+            r["system"]: r for r in report.sections.before_after_rows(records)
+        }
+        row = rows[loop]
+        # Pooled medians: 78 against 100, a MISS that is not one.
+        self.assertAlmostEqual(row["ratio"], 0.78)
+        self.assertEqual(row["rounds"], 5)
+        self.assertAlmostEqual(row["paired"], 0.98)
+        self.assertEqual(row["result"], "PASS")
+        fit = rows["tf2sync_fit"]
+        self.assertEqual((fit["rounds"], fit["result"]), (1, "MISS"))
+        section = report.render(records, "").split("## Before and after")[1]
+        self.assertIn("| 0.780 | 0.980 (5) |", section)
+        self.assertIn("| 0.900 | 0.900 (1) |", section)
+
     def test_before_and_after_compares_medians_with_the_baseline(self):
         report = _load_report()
 
@@ -578,13 +628,13 @@ class ReportTest(absltest.TestCase):
         # current, baseline, runs, current / baseline, vs local and
         # vs tf1_sync (current / baseline), CPU us / ex, the result.
         self.assertIn(
-            "| w1 | `tf2sync_loop` | 95 | 100 | 3 / 3 | 0.950 | 0.47 / 0.50 "
-            "| 1.90 / 2.00 | 10.0 / 10.0 | PASS |",
+            "| w1 | `tf2sync_loop` | 95 | 100 | 3 / 3 | 0.950 | n/a (0) "
+            "| 0.47 / 0.50 | 1.90 / 2.00 | 10.0 / 10.0 | PASS |",
             section,
         )
         self.assertIn(
-            "| w1 | `tf2sync_fit` | 90 | 100 | 1 / 1 | 0.900 | 0.45 / 0.50 "
-            "| 1.80 / 2.00 | 12.0 / 10.0 | MISS |",
+            "| w1 | `tf2sync_fit` | 90 | 100 | 1 / 1 | 0.900 | n/a (0) "
+            "| 0.45 / 0.50 | 1.80 / 2.00 | 12.0 / 10.0 | MISS |",
             section,
         )
         self.assertIn("| w1 | `tf2sync_loop_while` | n/a | n/a |", section)
