@@ -2,8 +2,8 @@
 
 `Bench` starts the benchmark subprocesses (all through `procs.Registry`,
 so that each is ended by PID), sets every system up once, then interleaves
-the repeats, rotating the order each round. `Endpoint` is one system on its
-subprocess(es); `Sink` writes one JSON line per record.
+the repeats in a balanced order (`balanced_order`). `Endpoint` is one
+system on its subprocess(es); `Sink` writes one JSON line per record.
 """
 
 from __future__ import annotations
@@ -122,6 +122,32 @@ class Endpoint:
             result["examples"] / result["seconds"], 1
         )
         return result
+
+
+def balanced_order(count: int, round_index: int) -> list[int]:
+    """The order of `count` systems in round `round_index`.
+
+    A Williams design: over `count` rounds (`2 * count` where `count` is
+    odd) each system runs right after each other one equally often. A
+    system can leave work running when its run returns (the harness
+    charges every child's CPU to the run in progress); a rotation of one
+    order (A B C, B C A, ...) always put the same system before another,
+    and an identical tree measured 0.962 x itself in such runs
+    (docs/benchmarks.md).
+    """
+    first = [0]
+    low, high = 1, count - 1
+    while len(first) < count:
+        if len(first) % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    rounds = count if count % 2 == 0 else 2 * count
+    shift = round_index % rounds
+    order = [(i + shift) % count for i in first]
+    return order[::-1] if shift >= count else order
 
 
 class Bench:
@@ -327,12 +353,13 @@ class Bench:
     def interleave(
         self, endpoints, functions, base, extra, window=False, first_repeat=0
     ):
-        """Runs the repeats, rotating the order; one record per run, its
-        `repeat` counted from `first_repeat`."""
+        """Runs the repeats, each round in `balanced_order`; one record per
+        run, its `repeat` counted from `first_repeat` (a later cluster
+        build goes on with the next rounds' orders)."""
         for index in range(self.s.repeats):
             repeat = first_repeat + index
-            shift = index % len(endpoints)
-            for endpoint in endpoints[shift:] + endpoints[:shift]:
+            order = balanced_order(len(endpoints), repeat)
+            for endpoint in (endpoints[i] for i in order):
                 if endpoint.failed:
                     continue
                 cpu = self.registry.cpu_seconds()

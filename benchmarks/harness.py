@@ -3,9 +3,10 @@
 Every system runs on the same machine and cluster shape (2 workers + 1 ps
 on 127.0.0.1 unless said otherwise), each in subprocesses that this harness
 starts, drives over stdin/stdout and ends by PID. Each system is built and
-warmed up once; then the repeats are interleaved (A B C, B C A, ...) so
-that machine noise hits all systems alike, and the report gives ratios of
-medians. The harness itself never imports TensorFlow.
+warmed up once; then the repeats are interleaved, each system after each
+other one equally often (A B C, B C A, C A B, C B A, ...), so that machine
+noise hits all systems alike, and the report gives ratios of medians. The
+harness itself never imports TensorFlow.
 
 Systems (scenario `main`):
   local          one process, no distribution, global batch N x B.

@@ -99,7 +99,8 @@ def _main_on_new_processes(bench, workload, workers, cluster):
         endpoints.append(
             Endpoint("mwms", "mwms", children, {"k": s.k}, workers)
         )
-    # Each baseline right after its current system (the order rotates).
+    # Each baseline beside its current system (in the first round's order;
+    # `driver.balanced_order` varies it).
     endpoints.sort(
         key=lambda e: (
             s.systems.index(e.name.removesuffix(BASELINE)),

@@ -46,6 +46,18 @@ def _load_report():
     return module
 
 
+def _load_benchmarks_module(name):
+    """benchmarks/<name>.py, by path (its siblings importable)."""
+    folder = os.path.join(_ROOT, "benchmarks")
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(folder, f"{name}.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    with mock.patch.object(sys, "path", [folder, *sys.path]):
+        spec.loader.exec_module(module)
+    return module
+
+
 def _gone(pid, start_time):
     """True if the process `pid` that started at `start_time` has ended."""
     try:
@@ -498,6 +510,41 @@ class BaselineTreeFlagTest(absltest.TestCase):
         ):
             line = self._refused(f"--baseline_tree={path}", *flags)
             self.assertIn("select --scenarios=main and a tf2sync_*", line)
+
+
+class BalancedOrderTest(parameterized.TestCase):
+    """The rounds' order: no system always runs right after the same one
+    (whatever a run leaves behind is charged to the next)."""
+
+    @parameterized.parameters(1, 2, 3, 4, 5, 6)
+    def test_each_system_follows_each_other_equally_often(self, count):
+        driver = _load_benchmarks_module("driver")
+        rounds = count if count % 2 == 0 else 2 * count
+        follows = {}
+        for index in range(rounds):
+            order = driver.balanced_order(count, index)
+            self.assertCountEqual(order, range(count))
+            for before, after in zip(order, order[1:]):
+                follows[before, after] = follows.get((before, after), 0) + 1
+        pairs = [(a, b) for a in range(count) for b in range(count) if a != b]
+        self.assertCountEqual(follows, pairs)
+        self.assertLen(set(follows.values()), min(1, len(pairs)))
+        # Later rounds (a cluster built again) go on with the same cycle.
+        self.assertEqual(
+            driver.balanced_order(count, rounds + 1),
+            driver.balanced_order(count, 1),
+        )
+
+    def test_four_systems_of_a_before_and_after_run(self):
+        """fit, fit@baseline, loop, loop@baseline: the current fit no
+        longer runs after the baseline's loop in every round."""
+        driver = _load_benchmarks_module("driver")
+        before_fit = {
+            order[order.index(0) - 1]
+            for order in (driver.balanced_order(4, i) for i in range(4))
+            if order.index(0) > 0
+        }
+        self.assertEqual(before_fit, {1, 2, 3})
 
 
 class ReportTest(absltest.TestCase):
