@@ -34,18 +34,6 @@ _SYSTEMS = (
 )
 
 
-def _load_report():
-    """benchmarks/report.py (and its sibling `sections`), by path."""
-    folder = os.path.join(_ROOT, "benchmarks")
-    spec = importlib.util.spec_from_file_location(
-        "report", os.path.join(folder, "report.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    with mock.patch.object(sys, "path", [folder, *sys.path]):
-        spec.loader.exec_module(module)
-    return module
-
-
 def _load_benchmarks_module(name):
     """benchmarks/<name>.py, by path (its siblings importable)."""
     folder = os.path.join(_ROOT, "benchmarks")
@@ -56,6 +44,11 @@ def _load_benchmarks_module(name):
     with mock.patch.object(sys, "path", [folder, *sys.path]):
         spec.loader.exec_module(module)
     return module
+
+
+def _load_report():
+    """benchmarks/report.py (and its sibling `sections`), by path."""
+    return _load_benchmarks_module("report")
 
 
 def _gone(pid, start_time):
