@@ -2,8 +2,10 @@
 
 import contextlib
 import functools
+import os
 import re
 import socket
+import tempfile
 from unittest import mock
 
 import tensorflow as tf
@@ -276,6 +278,44 @@ class WaitsForFirstStepTest(absltest.TestCase):
         local = _resolver("127.0.0.1:1", "localhost:2")
         self.assertTrue(self._waits(local, 2, single_steps=3))
         self.assertFalse(self._waits(local, 2, single_steps=2))
+
+
+class UsableCpusTest(absltest.TestCase):
+    def _cpus(self, files, affinity=16):
+        tmp = tempfile.TemporaryDirectory()  # absltest's: flags unparsed
+        self.addCleanup(tmp.cleanup)
+        root = tmp.name
+        for name, text in files.items():
+            path = os.path.join(root, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+        with mock.patch.object(
+            os, "sched_getaffinity", return_value=set(range(affinity))
+        ):
+            return loops._usable_cpus(root)
+
+    def test_a_containers_quota_caps_the_affinity(self):
+        self.assertEqual(self._cpus({"cpu.max": "200000 100000\n"}), 2)
+        self.assertEqual(self._cpus({"cpu.max": "150000 100000\n"}), 2)
+        self.assertEqual(self._cpus({"cpu.max": "50000 100000\n"}), 1)
+        self.assertEqual(self._cpus({"cpu.max": "800000 100000"}, 4), 4)
+        v1 = {
+            "cpu/cpu.cfs_quota_us": "300000\n",
+            "cpu/cpu.cfs_period_us": "100000\n",
+        }
+        self.assertEqual(self._cpus(v1), 3)
+
+    def test_no_quota_leaves_the_affinity(self):
+        self.assertEqual(self._cpus({}), 16)
+        self.assertEqual(self._cpus({"cpu.max": "max 100000\n"}), 16)
+        self.assertEqual(self._cpus({"cpu.max": "garbage"}), 16)
+        v1 = {
+            "cpu/cpu.cfs_quota_us": "-1\n",
+            "cpu/cpu.cfs_period_us": "100000\n",
+        }
+        self.assertEqual(self._cpus(v1), 16)
+        self.assertEqual(self._cpus({"cpu/cpu.cfs_quota_us": "100000"}), 16)
 
 
 class WaitForFirstStepTest(absltest.TestCase):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import math
 import os
 import socket
 import threading
@@ -197,13 +198,44 @@ def _on_this_host(address: str) -> bool:
         return False
 
 
-def _usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity; a cgroup's CPU quota,
-    as a container's, is not read: such a process counts its host's)."""
+def _usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The CPUs this process may use: its affinity, capped by its cgroup's
+    CPU quota (a container's `--cpus`, rounded up), where the process's
+    cgroup is the root of `cgroup_root` (a container's own namespace)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota(cgroup_root)
+    return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
+
+
+def _cgroup_cpu_quota(root: str):
+    """CPUs' worth of the CPU quota of the cgroup at `root` (v2's
+    `cpu.max`, else v1's `cpu/cpu.cfs_quota_us` over its period), or None:
+    no quota, or none readable."""
+    words = _words(os.path.join(root, "cpu.max"))
+    if words is not None:  # cgroup v2: "max 100000" or "200000 100000"
+        return _ratio(*words[:2]) if len(words) >= 2 else None
+    quota = _words(os.path.join(root, "cpu", "cpu.cfs_quota_us"))
+    period = _words(os.path.join(root, "cpu", "cpu.cfs_period_us"))
+    return _ratio(quota[0], period[0]) if quota and period else None
+
+
+def _words(path: str):
+    try:
+        with open(path) as f:
+            return f.read().split()
+    except OSError:
+        return None
+
+
+def _ratio(quota: str, period: str):
+    try:
+        quota, period = float(quota), float(period)
+    except ValueError:  # "max"
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 class StepTraces:
