@@ -4,7 +4,6 @@ Smoke runs only (a few seconds of each system): benchmarks are not timed
 tests, so nothing here asserts a speed.
 """
 
-import importlib.util
 import json
 import os
 import shutil
@@ -13,8 +12,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from unittest import mock
 
+import benchutil
 import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -34,21 +33,9 @@ _SYSTEMS = (
 )
 
 
-def _load_benchmarks_module(name):
-    """benchmarks/<name>.py, by path (its siblings importable)."""
-    folder = os.path.join(_ROOT, "benchmarks")
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(folder, f"{name}.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    with mock.patch.object(sys, "path", [folder, *sys.path]):
-        spec.loader.exec_module(module)
-    return module
-
-
 def _load_report():
     """benchmarks/report.py (and its sibling `sections`), by path."""
-    return _load_benchmarks_module("report")
+    return benchutil.load("report")
 
 
 def _gone(pid, start_time):
@@ -511,7 +498,7 @@ class BalancedOrderTest(parameterized.TestCase):
 
     @parameterized.parameters(1, 2, 3, 4, 5, 6)
     def test_each_system_follows_each_other_equally_often(self, count):
-        driver = _load_benchmarks_module("driver")
+        driver = benchutil.load("driver")
         rounds = count if count % 2 == 0 else 2 * count
         follows = {}
         for index in range(rounds):
@@ -531,7 +518,7 @@ class BalancedOrderTest(parameterized.TestCase):
     def test_four_systems_of_a_before_and_after_run(self):
         """fit, fit@baseline, loop, loop@baseline: the current fit no
         longer runs after the baseline's loop in every round."""
-        driver = _load_benchmarks_module("driver")
+        driver = benchutil.load("driver")
         before_fit = {
             order[order.index(0) - 1]
             for order in (driver.balanced_order(4, i) for i in range(4))

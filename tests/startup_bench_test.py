@@ -5,31 +5,19 @@ smoke run of two systems in fresh processes (slow: about 30 s on 2 cores).
 Nothing here asserts a speed.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
-from unittest import mock
 
+import benchutil
 import pytest
 from absl.testing import absltest
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BENCHMARKS = os.path.join(_ROOT, "benchmarks")
 _HARNESS = os.path.join(_BENCHMARKS, "harness.py")
-
-
-def _load(name):
-    """benchmarks/<name>.py (and its siblings), by path."""
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(_BENCHMARKS, f"{name}.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    with mock.patch.object(sys, "path", [_BENCHMARKS, *sys.path]):
-        spec.loader.exec_module(module)
-    return module
 
 
 def _record(system, trace, update, workload="w1", **extra):
@@ -50,7 +38,7 @@ def _record(system, trace, update, workload="w1", **extra):
 
 class StartupSectionTest(absltest.TestCase):
     def test_medians_and_ratios_to_stock_pss(self):
-        startup = _load("startup")
+        startup = benchutil.load("startup")
         records = [
             _record("tf2sync_loop", trace, trace + 1.0)
             for trace in (4.0, 6.0, 5.0)
@@ -74,7 +62,7 @@ class StartupSectionTest(absltest.TestCase):
         self.assertEqual(row.strip("|").split("|")[8].strip(), "0.010")
 
     def test_targets_hold_tf2sync_to_one_and_a_half_times_stock(self):
-        report = _load("report")
+        report = benchutil.load("report")
         records = [
             _record("tf2sync_fit", 1.0, update) for update in (2.0, 2.9, 3.0)
         ] + [_record("pss_async_fit", 1.0, update) for update in (2.0, 2.0)]
@@ -93,7 +81,7 @@ class StartupSectionTest(absltest.TestCase):
         )
 
     def test_time_to_accuracy_target_counts_a_missed_run(self):
-        report = _load("report")
+        report = benchutil.load("report")
 
         def run(system, seconds):
             return {
@@ -125,7 +113,7 @@ class StartupSectionTest(absltest.TestCase):
         self.assertStartsWith(row["result"], "n/a")
 
     def test_time_to_accuracy_compares_each_system_at_its_best_rate(self):
-        report = _load("report")
+        report = benchutil.load("report")
 
         def run(system, rate, seconds):
             return {
@@ -157,7 +145,7 @@ class StartupSectionTest(absltest.TestCase):
         ]
         self.assertEqual((best["measured"], best["result"]), ("0.75", "PASS"))
         section = "\n".join(
-            _load("sections").accuracy_section(
+            benchutil.load("sections").accuracy_section(
                 [
                     dict(
                         r,
@@ -173,7 +161,7 @@ class StartupSectionTest(absltest.TestCase):
         self.assertIn("| `tf2sync_fit` | 0.1 | 2.0 | 1.50 |", section)
 
     def test_errors_are_listed_and_no_records_no_section(self):
-        startup = _load("startup")
+        startup = benchutil.load("startup")
         self.assertEqual(startup.startup_section([]), [])
         lines = startup.startup_section(
             [
@@ -189,7 +177,7 @@ class StartupSectionTest(absltest.TestCase):
         self.assertTrue(any("boom" in x for x in lines), lines)
 
     def test_the_report_has_the_section(self):
-        report = _load("report")
+        report = benchutil.load("report")
         text = report.render([_record("tf2sync_fit", 3.0, 4.0)], "(no plot)")
         self.assertIn("## Time to the first update", text)
 
