@@ -154,10 +154,10 @@ def waits_for_first_step(cluster_resolver, single_steps: int) -> bool:
     the first update waits for it: there the chief traces after the first
     step instead, while the workers run the other single steps. That is
     where the workers on this machine, with the chief, outnumber the CPUs
-    this process may use (ps tasks are not counted: they set up little),
-    and where single steps remain once each worker has run one (otherwise
-    the workers would only wait for the trace; docs/performance.md, "Time
-    to the first update").
+    this process may use (its affinity, capped by its cgroup's CPU quota;
+    ps tasks are not counted: they set up little), and where single steps
+    remain once each worker has run one (otherwise the workers would only
+    wait for the trace; docs/performance.md, "Time to the first update").
 
     Args:
       cluster_resolver: The strategy's `ClusterResolver`, or None (a
