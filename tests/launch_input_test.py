@@ -154,6 +154,8 @@ class BadInputTest(parameterized.TestCase):
             cls.dirs[name] = directory
         cls.job_dir = os.path.join(cls.root, "jobs")
         os.makedirs(cls.job_dir)
+        with open(os.path.join(cls.job_dir, "bad_import_job.py"), "w") as f:
+            f.write("from os import no_such_name  # noqa: F401\n")
         with open(os.path.join(cls.job_dir, "half_job.py"), "w") as f:
             f.write(
                 '"""A job module with a model only."""\n\n'
@@ -184,8 +186,16 @@ class BadInputTest(parameterized.TestCase):
         self._check_refused([arg], f"{arg}: must be a positive integer.")
 
     @parameterized.named_parameters(
-        ("token_timeout", "--token_timeout=-1", ">= 0"),
-        ("worker_timeout", "--worker_timeout=-1", ">= 0"),
+        ("token_timeout", "--token_timeout=-1", "a finite number >= 0"),
+        ("worker_timeout", "--worker_timeout=-1", "a finite number >= 0"),
+        # NaN passed `value < 0`: the job started its tasks, then failed.
+        ("token_timeout_nan", "--token_timeout=nan", "a finite number >= 0"),
+        ("worker_timeout_inf", "--worker_timeout=inf", "a finite number >= 0"),
+        (
+            "restart_timeout_nan",
+            "--ps_restart_timeout=nan",
+            "a finite number >= 0",
+        ),
         ("connect_timeout", "--connect_timeout=0", "> 0"),
     )
     def test_bad_timeout(self, arg, bound):
@@ -237,6 +247,13 @@ class BadInputTest(parameterized.TestCase):
                 "each task must be a host:port string. Received: ['h:2']",
             ),
             ({"ps": ["h:1"], "worker": [None]}, "Received: None"),
+            ({"ps": ["a b:1"], "worker": ["h:2"]}, "'a b:1' has a space."),
+            (
+                {"ps": ["h:1"], "worker": ["h:99999"]},
+                "'h:99999' is not host:port with a port of 1-65535.",
+            ),
+            ({"ps": ["h:1"], "worker": [":2"]}, "':2' has no host."),
+            ({"ps": ["h"], "worker": ["h:2"]}, "'h' is not host:port"),
             (
                 {"ps": ["h:1"], "worker": "h:2"},
                 'TF_CONFIG cluster worker="h:2": a role\'s tasks must be a '
@@ -248,7 +265,12 @@ class BadInputTest(parameterized.TestCase):
                     flag_checks.check_distinct_addresses(cluster, named)
                 self.assertIn(message, str(refused.exception))
         flag_checks.check_distinct_addresses(  # distinct: no refusal
-            {"chief": ["h:0"], "ps": ["h:1"], "worker": {"0": "h:2"}}, named
+            {
+                "chief": ["h:65535"],
+                "ps": ["[::1]:1"],
+                "worker": {"0": "h:2"},
+            },
+            named,
         )
 
     def test_local_gpus_on_a_machine_without_one(self):
@@ -292,6 +314,50 @@ class BadInputTest(parameterized.TestCase):
             "--input_sharding=service needs --data_service_port outside the "
             "local mode (the dispatcher's port on the chief's host, the same "
             "for every task).",
+        )
+
+    def test_service_sharding_needs_the_chiefs_host(self):
+        # The dispatcher's host: a worker without it failed with
+        # KeyError('chief') once its server had started.
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        self._check_refused(
+            [
+                "--input_sharding=service",
+                "--data_service_port=5000",
+                "--job_name=worker",
+                "--ps_hosts=" + ",".join(spec["ps"]),
+                "--worker_hosts=" + ",".join(spec["worker"]),
+            ],
+            "--input_sharding=service needs --chief_host: the tf.data "
+            "dispatcher runs on the chief's host.",
+        )
+        env = dict(procutil.ENV)
+        del spec["chief"]
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": spec, "task": {"type": "worker", "index": 1}}
+        )
+        self._check_refused(
+            ["--input_sharding=service", "--data_service_port=5000"],
+            "--input_sharding=service needs a chief in TF_CONFIG: the "
+            "tf.data dispatcher runs on the chief's host.",
+            env=env,
+        )
+
+    def test_service_sharding_worker_port_past_65535(self):
+        # Refused before the worker's server starts, not after.
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        self._check_refused(
+            [
+                "--input_sharding=service",
+                "--data_service_port=65534",
+                "--job_name=worker",
+                "--task_index=1",
+                "--ps_hosts=" + ",".join(spec["ps"]),
+                "--worker_hosts=" + ",".join(spec["worker"]),
+                "--chief_host=" + spec["chief"][0],
+            ],
+            "--data_service_port=65534: worker 1's tf.data worker port "
+            "(65536, the port + 1 + its index) is past 65535.",
         )
 
     def test_service_sharding_needs_a_job_with_train_pass(self):
@@ -361,6 +427,59 @@ class BadInputTest(parameterized.TestCase):
             )
         finally:
             os.chmod(directory, 0o700)
+
+    @parameterized.named_parameters(
+        ("empty", ""),  # importlib: ValueError, a traceback before
+        ("relative", ".digits"),  # importlib: TypeError
+        ("path", "jobs/my_job.py"),
+    )
+    def test_job_module_that_is_not_a_module_name(self, name):
+        self._check_refused(
+            [f"--job_module={name}"],
+            f"--job_module={name}: not a module name (a dotted import path, "
+            "e.g. tf2sync._src.jobs.digits, or my_job for ./my_job.py).",
+        )
+
+    def test_job_module_whose_own_import_fails(self):
+        env = dict(procutil.ENV)
+        env["PYTHONPATH"] = os.pathsep.join([self.job_dir, env["PYTHONPATH"]])
+        self._check_refused(
+            ["--job_module=bad_import_job"],
+            "--job_module=bad_import_job: cannot import name 'no_such_name' "
+            f"from 'os' ({os.__file__})",
+            env=env,
+        )
+
+    def test_model_log_dir_is_a_file(self):
+        # It was not checked: the tasks started, then TensorBoard's writer
+        # failed on it.
+        self._check_refused(
+            [f"--model_log_dir={self.file}"],
+            f"--model_log_dir={self.file}: is a file, not a directory.",
+        )
+
+    def test_host_flags_without_a_role(self):
+        # They were ignored: the launcher started a local cluster.
+        ports = tf2sync.testing.pick_free_ports(2)
+        a, b = (f"127.0.0.1:{port}" for port in ports)
+        self._check_refused(
+            [f"--ps_hosts={a}", f"--worker_hosts={b}", "--task_index=1"],
+            f"--ps_hosts={a} is a role flag: it needs --job_name (ps, "
+            "worker, chief or evaluator); without, the cluster comes from "
+            "the local mode (a cluster on this machine) and would ignore it.",
+        )
+        env = dict(procutil.ENV)
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": spec, "task": {"type": "worker", "index": 0}}
+        )
+        self._check_refused(
+            [f"--chief_host={a}"],
+            f"--chief_host={a} is a role flag: it needs --job_name (ps, "
+            "worker, chief or evaluator); without, the cluster comes from "
+            "TF_CONFIG and would ignore it.",
+            env=env,
+        )
 
     def test_job_module_without_the_job_api(self):
         env = dict(procutil.ENV)

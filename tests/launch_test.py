@@ -245,6 +245,37 @@ class LaunchTest(parameterized.TestCase):
             "--ps_hosts=localhost",
         ),
         (
+            "port_out_of_range",
+            [
+                "--job_name=ps",
+                "--ps_hosts=localhost:99999",
+                "--worker_hosts=127.0.0.1:1",
+            ],
+            "--ps_hosts must be host:port entries. Received: "
+            "--ps_hosts=localhost:99999 ('localhost:99999' is not host:port "
+            "with a port of 1-65535)",
+        ),
+        (
+            "space_in_a_host",
+            [
+                "--job_name=ps",
+                "--ps_hosts=127.0.0.1:1",
+                "--worker_hosts=my host:2",
+            ],
+            "('my host:2' has a space)",
+        ),
+        (
+            "bad_chief_host",
+            [
+                "--job_name=chief",
+                "--chief_host=nohostport",
+                "--ps_hosts=127.0.0.1:1",
+                "--worker_hosts=127.0.0.1:2",
+            ],
+            "--chief_host must be host:port entries. Received: "
+            "--chief_host=nohostport",
+        ),
+        (
             "index",
             [
                 "--job_name=worker",
@@ -253,6 +284,17 @@ class LaunchTest(parameterized.TestCase):
                 "--worker_hosts=127.0.0.1:2",
             ],
             "--task_index=2 but --worker_hosts names 1 task(s).",
+        ),
+        (
+            "chief_index",
+            [
+                "--job_name=chief",
+                "--task_index=1",
+                "--chief_host=127.0.0.1:3",
+                "--ps_hosts=127.0.0.1:1",
+                "--worker_hosts=127.0.0.1:2",
+            ],
+            "--task_index=1 but --chief_host names 1 task(s).",
         ),
         (
             "local_cluster",

@@ -49,10 +49,11 @@ def check_positive_ints(values: dict) -> None:
 
 
 def check_non_negative(values: dict) -> None:
-    """Refuses a flag of `values` (name to number; None: unset) below 0."""
+    """Refuses a flag of `values` (name to number; None: unset) below 0,
+    NaN or infinite (a timeout: 0 is none)."""
     for name, value in values.items():
-        if value is not None and value < 0:
-            _refuse(f"--{name}={value:g}: must be >= 0.")
+        if value is not None and not 0 <= value < math.inf:
+            _refuse(f"--{name}={value:g}: must be a finite number >= 0.")
 
 
 def check_positive(values: dict) -> None:
@@ -211,11 +212,25 @@ def parse_tf_config(text: str) -> dict:
     return config
 
 
+def address_problem(address: str) -> str | None:
+    """What is wrong with a task's `host:port`, in words, or None: a space
+    in it, no host, or a port that is not 1-65535 (a server cannot listen
+    there, and its peers would wait for it for --connect_timeout)."""
+    if any(c.isspace() for c in address):
+        return "has a space"
+    host, colon, port = address.rpartition(":")
+    if not colon or not port.isdigit() or not 0 < int(port) < 65536:
+        return "is not host:port with a port of 1-65535"
+    if not host.strip("[]"):
+        return "has no host"
+    return None
+
+
 def check_distinct_addresses(cluster: dict, named) -> None:
     """Refuses a cluster that names one host:port for two tasks (the second
     task's server cannot listen there, and the chief would wait for it for
-    --connect_timeout), a task that is not a string, or a role whose tasks
-    are not a list.
+    --connect_timeout), a task that is not a string or not a host:port
+    (`address_problem`), or a role whose tasks are not a list.
 
     Args:
       cluster: Role to its hosts: a list, or TF's `{index: host}`.
@@ -239,6 +254,9 @@ def check_distinct_addresses(cluster: dict, named) -> None:
                     f"{named(role, hosts)}: each task must be a host:port "
                     f"string. Received: {host!r}"
                 )
+            problem = address_problem(host)
+            if problem:
+                _refuse(f"{named(role, hosts)}: {host!r} {problem}.")
             if host in seen:
                 _refuse(
                     f"{named(role, hosts)}: {host} is both {seen[host]} and "

@@ -12,6 +12,7 @@ from __future__ import annotations
 from absl import flags
 
 from tf2sync._src import console
+from tf2sync._src import flag_checks
 
 JOB_NAME = flags.DEFINE_enum(
     "job_name",
@@ -241,10 +242,11 @@ TASK_LOG_DIR = flags.DEFINE_string(
 
 def _validate_host_list(name, hosts):
     for host in hosts:
-        if ":" not in host or not host.rsplit(":", 1)[1].isdigit():
+        problem = flag_checks.address_problem(host)
+        if problem:
             raise flags.ValidationError(
                 f"--{name} must be host:port entries. Received: "
-                f"--{name}={','.join(hosts)}"
+                f"--{name}={','.join(hosts)} ({host!r} {problem})"
             )
     return True
 
@@ -254,6 +256,10 @@ flags.register_validator(
 )
 flags.register_validator(
     "worker_hosts", lambda v: _validate_host_list("worker_hosts", v)
+)
+flags.register_validator(
+    "chief_host",
+    lambda v: v is None or _validate_host_list("chief_host", [v]),
 )
 flags.register_validator(
     "num_gpus",

@@ -146,21 +146,30 @@ def check_input():
     _check_input_sharding()
     role = launch_flags.JOB_NAME.value
     source = cluster_source()
+    _check_host_flags_used(source)
+    spec, index = None, launch_flags.TASK_INDEX.value
     if source == "tf_config":
         config = flag_checks.parse_tf_config(os.environ["TF_CONFIG"])
         role = config["task"]["type"]
+        spec, index = config["cluster"], config["task"].get("index", 0)
     elif source == "jobset":
         role = jobset_task().task_type
     elif source == "local":
         local_workers_and_ps()  # this process is the chief
         role = "chief"
     elif source == "flags" and role in ("ps", "worker", "chief"):
-        check_num_ps(len(spec_from_flags(warn=False)["ps"]))
+        spec = spec_from_flags(warn=False)
+        check_num_ps(len(spec["ps"]))
+    if spec is not None:
+        _check_service_addresses(spec, role, index, source)
     if role in ("ps", "worker"):
         return
     evaluator = role == "evaluator"
     directory = launch_flags.CHECKPOINT_DIR.value
     flag_checks.check_checkpoint_dir(directory, writable=not evaluator)
+    flag_checks.check_checkpoint_dir(
+        launch_flags.MODEL_LOG_DIR.value, writable=True, name="model_log_dir"
+    )
     job = load_job()
     flag_checks.check_job_api(
         job,
@@ -267,6 +276,63 @@ def _check_input_sharding():
         )
 
 
+def _check_host_flags_used(source):
+    """Refuses the role flags' host flags where the cluster comes from
+    elsewhere (TF_CONFIG, a JobSet, the local mode): they would be ignored,
+    and a task meant to join them would start a cluster of its own."""
+    if source == "flags":
+        return
+    for holder in (
+        launch_flags.PS_HOSTS,
+        launch_flags.WORKER_HOSTS,
+        launch_flags.CHIEF_HOST,
+    ):
+        value = holder.value
+        if value:
+            shown = ",".join(value) if isinstance(value, list) else value
+            raise app.UsageError(
+                f"--{holder.name}={shown} is a role flag: it needs --job_name "
+                "(ps, worker, chief or evaluator); without, the cluster "
+                f"comes from {_SOURCE_WORDS[source]} and would ignore it.",
+                exitcode=2,
+            )
+
+
+_SOURCE_WORDS = {
+    "tf_config": "TF_CONFIG",
+    "jobset": "the JobSet environment",
+    "local": "the local mode (a cluster on this machine)",
+}
+
+
+def _check_service_addresses(spec, role, index, source):
+    """--input_sharding=service's addresses in a cluster `spec`: the
+    dispatcher on the chief's host, and worker `index`'s tf.data worker
+    at --data_service_port + 1 + index (its default) within 65535."""
+    if launch_flags.INPUT_SHARDING.value != "service":
+        return
+    if not spec.get("chief"):
+        where = "--chief_host" if source == "flags" else "a chief in TF_CONFIG"
+        raise app.UsageError(
+            f"--input_sharding=service needs {where}: the tf.data "
+            "dispatcher runs on the chief's host.",
+            exitcode=2,
+        )
+    port = launch_flags.DATA_SERVICE_PORT.value
+    if (
+        role == "worker"
+        and port is not None
+        and launch_flags.DATA_SERVICE_WORKER_PORT.value is None
+        and port + 1 + index > 65535
+    ):
+        raise app.UsageError(
+            f"--data_service_port={port}: worker {index}'s tf.data worker "
+            f"port ({port + 1 + index}, the port + 1 + its index) is past "
+            "65535.",
+            exitcode=2,
+        )
+
+
 def local_workers_and_ps():
     """--local_cluster's WORKERS,PS, with --num_ps's PS (see its help)."""
     workers, ps = _parse_local_cluster(launch_flags.LOCAL_CLUSTER.value)
@@ -344,7 +410,8 @@ def spec_from_flags(warn=True):
     if job in spec and launch_flags.TASK_INDEX.value >= len(spec[job]):
         raise app.UsageError(
             f"--task_index={launch_flags.TASK_INDEX.value} but "
-            f"--{job}_hosts names {len(spec[job])} task(s).",
+            f"--{'chief_host' if job == 'chief' else job + '_hosts'} names "
+            f"{len(spec[job])} task(s).",
             exitcode=2,
         )
     if job == "chief" and "chief" not in spec:
@@ -389,6 +456,12 @@ def load_job():
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     name = launch_flags.JOB_MODULE.value
+    if not all(part.isidentifier() for part in (name or "").split(".")):
+        raise app.UsageError(
+            f"--job_module={name}: not a module name (a dotted import path, "
+            "e.g. tf2sync._src.jobs.digits, or my_job for ./my_job.py).",
+            exitcode=2,
+        )
     try:
         job = importlib.import_module(name)
     except ModuleNotFoundError as e:
@@ -402,6 +475,8 @@ def load_job():
             f"directory ({os.getcwd()}) or the installed packages.",
             exitcode=2,
         ) from None
+    except ImportError as e:  # the job module imports a name that is not
+        raise app.UsageError(f"--job_module={name}: {e}", exitcode=2) from None
     from tf2sync._src import chief
 
     try:
