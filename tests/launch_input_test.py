@@ -273,6 +273,24 @@ class BadInputTest(parameterized.TestCase):
             named,
         )
 
+    def test_tf_config_with_two_chiefs(self):
+        from tf2sync._src import flag_checks
+
+        cluster = {"chief": ["h:4", "h:3"], "ps": ["h:1"], "worker": ["h:2"]}
+        text = json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": 0}}
+        )
+        with self.assertRaises(app.UsageError) as refused:
+            flag_checks.parse_tf_config(text)
+        self.assertEqual(
+            str(refused.exception),
+            'TF_CONFIG cluster chief=["h:4", "h:3"]: a cluster has one chief.',
+        )
+        del cluster["chief"][1]
+        flag_checks.parse_tf_config(
+            json.dumps({**json.loads(text), "cluster": cluster})
+        )
+
     def test_local_gpus_on_a_machine_without_one(self):
         import tensorflow as tf
 

@@ -187,6 +187,12 @@ def parse_tf_config(text: str) -> dict:
         cluster,
         lambda role, hosts: f"TF_CONFIG cluster {role}={json.dumps(hosts)}",
     )
+    chiefs = cluster.get("chief") or []
+    if len(chiefs) > 1:  # PSS has one coordinator
+        _refuse(
+            f"TF_CONFIG cluster chief={json.dumps(chiefs)}: a cluster has "
+            "one chief."
+        )
     task_type, index = task.get("type"), task.get("index", 0)
     where = f"TF_CONFIG task type={task_type!r} index={index!r}"
     if task_type not in _TASK_TYPES:
