@@ -247,6 +247,14 @@ class BadInputTest(parameterized.TestCase):
                 "each task must be a host:port string. Received: ['h:2']",
             ),
             ({"ps": ["h:1"], "worker": [None]}, "Received: None"),
+            (  # one machine, one port: its server listens on every name
+                {"ps": ["localhost:7"], "worker": ["127.0.0.1:7"]},
+                "127.0.0.1:7 (localhost:7) is both ps 0 and worker 0;",
+            ),
+            (
+                {"ps": ["H:23000"], "worker": ["h:023000"]},
+                "h:023000 (H:23000) is both ps 0 and worker 0;",
+            ),
             ({"ps": ["a b:1"], "worker": ["h:2"]}, "'a b:1' has a space."),
             (
                 {"ps": ["h:1"], "worker": ["h:99999"]},
@@ -267,8 +275,8 @@ class BadInputTest(parameterized.TestCase):
         flag_checks.check_distinct_addresses(  # distinct: no refusal
             {
                 "chief": ["h:65535"],
-                "ps": ["[::1]:1"],
-                "worker": {"0": "h:2"},
+                "ps": ["[::1]:1", "h:1"],  # one port on two machines
+                "worker": {"0": "h:2", "1": "localhost:2"},
             },
             named,
         )

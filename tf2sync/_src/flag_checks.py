@@ -263,12 +263,30 @@ def check_distinct_addresses(cluster: dict, named) -> None:
             problem = address_problem(host)
             if problem:
                 _refuse(f"{named(role, hosts)}: {host!r} {problem}.")
-            if host in seen:
+            key = _listening_key(host)
+            if key in seen:
+                first, where = seen[key]
+                same = host if first == host else f"{host} ({first})"
                 _refuse(
-                    f"{named(role, hosts)}: {host} is both {seen[host]} and "
+                    f"{named(role, hosts)}: {same} is both {where} and "
                     f"{role} {index}; each task needs its own host:port."
                 )
-            seen[host] = f"{role} {index}"
+            seen[key] = (host, f"{role} {index}")
+
+
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
+
+
+def _listening_key(address: str) -> tuple:
+    """Where a task's server would listen: its host and port number, every
+    name of this machine's loopback as one (a TF server listens on all of
+    its machine's interfaces, so `localhost:2222` and `127.0.0.1:2222`
+    are one port), a port as its number (`023000` is 23000)."""
+    host, _, port = address.rpartition(":")
+    host = host.lower()
+    if host in _LOOPBACK_NAMES or host.startswith("127."):
+        host = "loopback"
+    return host, int(port)
 
 
 def check_epochs_left(
