@@ -18,8 +18,7 @@ import pytest
 from absl.testing import absltest
 from absl.testing import parameterized
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_HARNESS = os.path.join(_ROOT, "benchmarks", "harness.py")
+_HARNESS = os.path.join(benchutil.BENCHMARKS, "harness.py")
 _SYSTEMS = (
     "local",
     "tf2sync_fit",
@@ -31,11 +30,6 @@ _SYSTEMS = (
     "tf1_sync",
     "mwms",
 )
-
-
-def _load_report():
-    """benchmarks/report.py (and its sibling `sections`), by path."""
-    return benchutil.load("report")
 
 
 def _gone(pid, start_time):
@@ -284,7 +278,7 @@ class HarnessSmokeTest(absltest.TestCase):
         tree = os.path.join(self._tempdir(), "baseline")
         for folder in ("tf2sync", "benchmarks"):
             shutil.copytree(
-                os.path.join(_ROOT, folder),
+                os.path.join(benchutil.ROOT, folder),
                 os.path.join(tree, folder),
                 ignore=shutil.ignore_patterns("__pycache__"),
             )
@@ -529,7 +523,7 @@ class BalancedOrderTest(parameterized.TestCase):
 
 class ReportTest(absltest.TestCase):
     def test_targets_are_ratios_of_medians(self):
-        report = _load_report()
+        report = benchutil.load("report")
 
         def run(workload, system, rate):
             return {
@@ -557,7 +551,7 @@ class ReportTest(absltest.TestCase):
     def test_before_and_after_pairs_each_round_of_both_trees(self):
         """A slow cluster build slows both trees: the rounds' own ratios
         decide, not the pooled medians (which it would tip to MISS)."""
-        report = _load_report()
+        report = benchutil.load("report")
 
         def run(system, cluster, repeat, rate):
             return {
@@ -605,7 +599,7 @@ class ReportTest(absltest.TestCase):
         self.assertIn("| 0.900 | 0.900 (1) |", section)
 
     def test_before_and_after_compares_medians_with_the_baseline(self):
-        report = _load_report()
+        report = benchutil.load("report")
 
         def run(system, rate, cpu=10.0):
             return {
@@ -688,7 +682,7 @@ class ReportTest(absltest.TestCase):
         )
 
     def test_sharding_targets_come_only_with_the_sharding_scenario(self):
-        report = _load_report()
+        report = benchutil.load("report")
 
         def run(workload, config, rate, ps=2):
             return {
@@ -774,7 +768,7 @@ class ReportTest(absltest.TestCase):
         self.assertEqual(report.sections.sharding_section(plain), [])
 
     def test_memory_targets_compare_growth_per_worker(self):
-        report = _load_report()
+        report = benchutil.load("report")
 
         def cell(
             system, workers, state_mb, workload="w3", kind="legacy", peak=2.0

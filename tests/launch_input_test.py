@@ -36,6 +36,15 @@ _NOISE = re.compile(
 _FAST_S = 30  # TensorFlow's import alone takes several seconds here
 
 
+def _host_flags(spec):
+    """The role flags' host flags naming cluster `spec` (its chief if any)."""
+    flags = [
+        "--ps_hosts=" + ",".join(spec["ps"]),
+        "--worker_hosts=" + ",".join(spec["worker"]),
+    ]
+    return flags + [f"--chief_host={h}" for h in spec.get("chief", [])]
+
+
 def _meaningful(stderr):
     return [
         line for line in stderr.splitlines() if line and not _NOISE.match(line)
@@ -161,6 +170,12 @@ class BadInputTest(parameterized.TestCase):
                 '"""A job module with a model only."""\n\n'
                 "LOSS = 'mse'\n\n\ndef build_model():\n    return None\n"
             )
+
+    def _env_with_job_dir(self):
+        """The tests' environment, the job modules written here importable."""
+        env = dict(procutil.ENV)
+        env["PYTHONPATH"] = os.pathsep.join([self.job_dir, env["PYTHONPATH"]])
+        return env
 
     def _check_refused(self, args, line, env=None, directory=None, prefix=()):
         before = _snapshot(directory) if directory else None
@@ -333,9 +348,7 @@ class BadInputTest(parameterized.TestCase):
             [
                 "--input_sharding=service",
                 "--job_name=chief",
-                "--ps_hosts=" + ",".join(spec["ps"]),
-                "--worker_hosts=" + ",".join(spec["worker"]),
-                "--chief_host=" + spec["chief"][0],
+                *_host_flags(spec),
             ],
             "--input_sharding=service needs --data_service_port outside the "
             "local mode (the dispatcher's port on the chief's host, the same "
@@ -346,19 +359,18 @@ class BadInputTest(parameterized.TestCase):
         # The dispatcher's host: a worker without it failed with
         # KeyError('chief') once its server had started.
         spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        del spec["chief"]
         self._check_refused(
             [
                 "--input_sharding=service",
                 "--data_service_port=5000",
                 "--job_name=worker",
-                "--ps_hosts=" + ",".join(spec["ps"]),
-                "--worker_hosts=" + ",".join(spec["worker"]),
+                *_host_flags(spec),
             ],
             "--input_sharding=service needs --chief_host: the tf.data "
             "dispatcher runs on the chief's host.",
         )
         env = dict(procutil.ENV)
-        del spec["chief"]
         env["TF_CONFIG"] = json.dumps(
             {"cluster": spec, "task": {"type": "worker", "index": 1}}
         )
@@ -378,9 +390,7 @@ class BadInputTest(parameterized.TestCase):
                 "--data_service_port=65534",
                 "--job_name=worker",
                 "--task_index=1",
-                "--ps_hosts=" + ",".join(spec["ps"]),
-                "--worker_hosts=" + ",".join(spec["worker"]),
-                "--chief_host=" + spec["chief"][0],
+                *_host_flags(spec),
             ],
             "--data_service_port=65534: worker 1's tf.data worker port "
             "(65536, the port + 1 + its index) is past 65535.",
@@ -467,8 +477,7 @@ class BadInputTest(parameterized.TestCase):
         )
 
     def test_job_module_whose_own_import_fails(self):
-        env = dict(procutil.ENV)
-        env["PYTHONPATH"] = os.pathsep.join([self.job_dir, env["PYTHONPATH"]])
+        env = self._env_with_job_dir()
         self._check_refused(
             ["--job_module=bad_import_job"],
             "--job_module=bad_import_job: cannot import name 'no_such_name' "
@@ -508,8 +517,7 @@ class BadInputTest(parameterized.TestCase):
         )
 
     def test_job_module_without_the_job_api(self):
-        env = dict(procutil.ENV)
-        env["PYTHONPATH"] = os.pathsep.join([self.job_dir, env["PYTHONPATH"]])
+        env = self._env_with_job_dir()
         self._check_refused(
             ["--job_module=half_job"],
             "--job_module=half_job: the module lacks train_dataset(), "

@@ -15,9 +15,7 @@ import benchutil
 import pytest
 from absl.testing import absltest
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_BENCHMARKS = os.path.join(_ROOT, "benchmarks")
-_HARNESS = os.path.join(_BENCHMARKS, "harness.py")
+_HARNESS = os.path.join(benchutil.BENCHMARKS, "harness.py")
 
 
 def _record(system, trace, update, workload="w1", **extra):

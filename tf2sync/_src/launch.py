@@ -79,12 +79,6 @@ def _serve(spec, job, index):
         dispatcher, address = data_service.addresses(
             spec, index, port, launch_flags.DATA_SERVICE_WORKER_PORT.value
         )
-        if int(address.rsplit(":", 1)[1]) > 65535:
-            raise app.UsageError(
-                f"--data_service_port={port}: worker {index}'s "
-                f"tf.data worker port ({address}) is past 65535.",
-                exitcode=2,
-            )
         tf_data_worker = data_service.start_worker(dispatcher, address)
         logging.info(
             "tf.data worker at %s (dispatcher %s)", address, dispatcher

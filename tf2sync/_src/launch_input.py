@@ -153,7 +153,8 @@ def check_input():
         role = config["task"]["type"]
         spec, index = config["cluster"], config["task"].get("index", 0)
     elif source == "jobset":
-        role = jobset_task().task_type
+        task = jobset_task()
+        role, spec, index = task.task_type, task.cluster, task.task_index
     elif source == "local":
         local_workers_and_ps()  # this process is the chief
         role = "chief"
@@ -306,13 +307,18 @@ _SOURCE_WORDS = {
 
 
 def _check_service_addresses(spec, role, index, source):
-    """--input_sharding=service's addresses in a cluster `spec`: the
-    dispatcher on the chief's host, and worker `index`'s tf.data worker
-    at --data_service_port + 1 + index (its default) within 65535."""
+    """--input_sharding=service's addresses in a cluster `spec`, checked
+    before any server starts: the dispatcher on the chief's host, and
+    worker `index`'s tf.data worker at --data_service_port + 1 + index
+    (`data_service.addresses`' default) within 65535."""
     if launch_flags.INPUT_SHARDING.value != "service":
         return
     if not spec.get("chief"):
-        where = "--chief_host" if source == "flags" else "a chief in TF_CONFIG"
+        where = (
+            "--chief_host"
+            if source == "flags"
+            else f"a chief in {_SOURCE_WORDS[source]}"
+        )
         raise app.UsageError(
             f"--input_sharding=service needs {where}: the tf.data "
             "dispatcher runs on the chief's host.",
