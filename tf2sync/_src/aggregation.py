@@ -58,6 +58,7 @@ from tf2sync._src import step_context
 from tf2sync._src import tf_internals
 from tf2sync._src import watchdog
 from tf2sync._src import wire as wire_lib
+from tf2sync._src.sync import scale_out as scale_out_lib
 
 
 class Aggregator:
@@ -76,6 +77,7 @@ class Aggregator:
         num_workers=1,
         initial_tokens=None,
         sparse_mean="pushes",
+        increment_fn=None,
     ):
         """Creates the token queue, counters and critical section eagerly.
 
@@ -83,8 +85,9 @@ class Aggregator:
           config: A `SyncConfig`.
           global_step: The step variable (the inner `iterations`, or a TF1
             global step of any integer dtype).
-          apply_fn: `apply_fn(grads_and_vars) -> op`: applies aggregated
-            gradients once and increments `global_step` by 1.
+          apply_fn: `apply_fn(grads_and_vars, increment=True) -> op`:
+            applies aggregated gradients once and increments `global_step`
+            by 1 (with `increment=False`: applies one ps's share only).
           name: Prefix of the variables and queues created.
           num_workers: Workers in the cluster, for per-worker counts.
           initial_tokens: Tokens enqueued now; None means
@@ -94,6 +97,11 @@ class Aggregator:
             by the number of pushes that contain it (TF1's
             `SparseConditionalAccumulator`; each push's rows must then be
             unique, see `wire.dedup`).
+          increment_fn: `increment_fn(variables) -> op`: increments
+            `global_step` (and what `apply_fn` would increment with them)
+            by 1. Given, gradients on several ps aggregate by
+            `sync.scale_out`'s protocol; None keeps them in one critical
+            section.
         """
         if sparse_mean not in ("pushes", "rows"):
             raise ValueError(
@@ -105,6 +113,8 @@ class Aggregator:
         self.global_step = global_step
         self.device = global_step.device
         self._apply_fn = apply_fn
+        self._increment_fn = increment_fn
+        self._scale_out = None
         self._name = name
         self._layout = None
         self._push_functions = {}
@@ -279,6 +289,8 @@ class Aggregator:
         an update (the global step rises by 1) and leaves the barrier with
         one step's tokens, as after any update. Returns whether it applied.
         """
+        if self.recover():  # a sealed step: ended first
+            return True
         with tf.init_scope():
             step = int(self.global_step.numpy())
             pushes = int(self.count.numpy())
@@ -297,7 +309,8 @@ class Aggregator:
                     return self._cs.execute(flush)
 
             tf.function(on_ps, autograph=False)()
-            return True
+        self.recover()  # scale-out: the sealed step applied on every ps
+        return True
 
     @property
     def token_queue(self) -> tf.queue.FIFOQueue:
@@ -326,7 +339,14 @@ class Aggregator:
         """Creates the accumulators for these gradient types, eagerly."""
         if self._layout is None:
             with tf.init_scope():  # eagerly, even when called while tracing
-                self._layout = wire_lib.Layout(grads_and_vars, self._name)
+                staged = self._staged_devices(grads_and_vars)
+                self._layout = wire_lib.Layout(
+                    grads_and_vars, self._name, staged
+                )
+                if staged is not None:
+                    self._scale_out = scale_out_lib.ScaleOut(
+                        self, self._layout, self._name
+                    )
         elif not self._layout.matches(grads_and_vars):
             raise ValueError(
                 "SyncOptimizer was built for another list of variables (or "
@@ -337,6 +357,21 @@ class Aggregator:
                 "set (after changing which layers are trainable), compile "
                 "with a new tf2sync.SyncOptimizer: it replaces this one."
             )
+
+    def _staged_devices(self, grads_and_vars):
+        """The predicate of the devices whose gradients are staged, or None
+        where every gradient aggregates in this ps's critical section."""
+        if self._increment_fn is None:
+            return None
+        others = {
+            v.device
+            for g, v in grads_and_vars
+            if g is not None
+            and not scale_out_lib.same_device(v.device, self.device)
+        }
+        if not others:
+            return None
+        return lambda device: not scale_out_lib.same_device(device, self.device)
 
     # Step side (traced) ---------------------------------------------------
 
@@ -411,24 +446,116 @@ class Aggregator:
         )
         for op, value in zip(riders, wire.riders(inputs["tensor"])):
             tf_internals.update_op_input(op, 1, value)
+        if self._scale_out is not None:
+            inputs = self._stage(inputs, check_finite)
         function = self._repeated_push_function(
             wire, inputs, check_finite, stats
         )
         with tf.device(self.device):
             if function is not None:
-                applied = function(inputs)
-                if tf.executing_eagerly():  # it ran: no call to set up
-                    return applied
-                # The ps sets the function up for each worker, at its first
-                # call; Grappler's passes took half of that and made the
-                # push (variables, queues, one switch, one cond and the
-                # apply) no faster (docs/performance_log.md, "Measurements
-                # behind the code").
-                tf_internals.set_up_without_grappler(applied)
-                return applied
-            return self._cs.execute(
-                lambda: self._push_body(wire, inputs, check_finite, stats)
+                result = function(inputs)
+                if not tf.executing_eagerly():  # else it ran: no set-up
+                    # The ps sets the function up for each worker, at its
+                    # first call; Grappler's passes took half of that and
+                    # made the push (variables, queues, one switch, one
+                    # cond and the apply) no faster (docs/performance_log.md,
+                    # "Measurements behind the code").
+                    tf_internals.set_up_without_grappler(result)
+            else:
+                result = self._cs.execute(
+                    lambda: self._push_body(wire, inputs, check_finite, stats)
+                )
+        if self._scale_out is None:
+            return result
+        return self._apply_sealed(result, stats)
+
+    def _stage(self, inputs, check_finite):
+        """Scale-out: stages the shares of the other ps (`sync.staging`);
+        returns the commit's inputs (this ps's share, the push id and the
+        stages' acknowledgement)."""
+        push_id = scale_out_lib.ScaleOut.new_push_id()
+        ack = self._scale_out.stage(push_id, inputs, check_finite)
+        layout = self._layout
+        with tf.device(self.device):
+            push_id = tf.identity(push_id)
+        return {
+            **inputs,
+            "packed": [
+                p if g.buffer is not None else None
+                for p, g in zip(inputs["packed"], layout.dense)
+            ],
+            "sparse": [
+                p if slot.queue is not None else None
+                for p, slot in zip(inputs["sparse"], layout.sparse)
+            ],
+            "id": push_id,
+            "ack": ack,
+        }
+
+    def _apply_sealed(self, committed, stats):
+        """Scale-out: the push that sealed a step applies it on the other
+        ps, then ends it on this one (`sync.scale_out`). Returns
+        `(applied, stats)` as `push`."""
+        seal, admitted, count, read = committed
+        scale_out = self._scale_out
+
+        def apply():
+            staged = scale_out.apply_staged(
+                admitted, count, seal, self._sparse_mean
             )
+            with tf.control_dependencies([staged]), tf.device(self.device):
+                return self._cs.execute(
+                    lambda: self._finalize(seal, stats),
+                    # The other ps' sections read the step too: the seal
+                    # orders them before this.
+                    exclusive_resource_access=False,
+                )
+
+        return tf.cond(seal > 0, apply, lambda: (tf.constant(False), read))
+
+    def _finalize(self, seal, stats):
+        """Scale-out, in the critical section: ends the step sealed as
+        `seal` (see `ScaleOut.finalize`); returns `(ended, stats)`."""
+        ended = self._scale_out.finalize(
+            seal, lambda: self._end_step(self._increment(), False)
+        )
+        if not stats:
+            return ended, tf.zeros([0], tf.float64)
+        return ended, self._stats_after(ended)
+
+    def _increment(self):
+        with step_context.sync_apply_scope():
+            return self._increment_fn(self._scale_out.all_variables)
+
+    def recover(self) -> bool:
+        """Applies and ends a step sealed but not ended (eagerly).
+
+        Scale-out only: the push that sealed a step may die before it
+        applied it on every ps. Safe while that push still runs: each ps
+        applies a seal once, and the step ends once. Returns whether a
+        sealed step was found.
+        """
+        scale_out = self._scale_out
+        if scale_out is None:
+            return False
+        with tf.init_scope():
+            seal = int(scale_out.sealed.numpy())
+            if not seal:
+                return False
+
+            def run():
+                return self._apply_sealed(
+                    (
+                        tf.constant(seal, tf.int64),
+                        scale_out.admitted.read_value(),
+                        self.count.read_value(),
+                        tf.zeros([0], tf.float64),
+                    ),
+                    stats=False,
+                )
+
+            tf.function(run, autograph=False)()
+            return True
 
     def _pack(self, grads_and_vars):
         """`(packed, sparse)`: one flat tensor per dense group, and the
@@ -527,10 +654,16 @@ class Aggregator:
             inputs["sparse"],
             inputs["worker"],
         )
+        scale_out = self._scale_out
         step = self._step()
         fresh = inputs["tag"] >= step
         same_step = tf.equal(self.acc_step.read_value(), step)
         ok = self._all_finite(arrived) if check_finite else tf.constant(True)
+        if scale_out is not None:
+            arrived["id"] = inputs["id"]
+            # A sealed step admits no more: the ps may be mid-apply.
+            fresh = tf.logical_and(fresh, tf.logical_not(scale_out.is_sealed()))
+            ok = tf.logical_and(ok, inputs["ack"])
         # Past the plan, only a push that would complete an update drops.
         pending = tf.where(same_step, self.count.read_value(), 0)
         within = tf.logical_or(
@@ -559,11 +692,24 @@ class Aggregator:
         applied = tf.cond(
             count >= self.config.replicas_to_aggregate,
             lambda: self._apply(count),
-            lambda: tf.constant(False),
+            lambda: (
+                tf.constant(0, tf.int64) if scale_out else tf.constant(False)
+            ),
         )
         if not stats:  # nobody reads them: no ps work per push
-            return applied, tf.zeros([0], tf.float64)
-        return applied, self._stats_after(applied)
+            read = tf.zeros([0], tf.float64)
+        else:
+            read = self._stats_after(applied)
+        if scale_out is None:
+            return applied, read
+        # The seal (0: none), and what applying it needs.
+        with tf.control_dependencies([applied]):
+            return (
+                tf.identity(applied),
+                scale_out.admitted.read_value(),
+                self.count.read_value(),
+                read,
+            )
 
     @staticmethod
     def _all_finite(arrived):
@@ -573,11 +719,17 @@ class Aggregator:
         dropping too); ids never enter it.
         """
         sums = [
-            tf.reduce_sum(tf.cast(p, tf.float32)) for p in arrived["packed"]
+            tf.reduce_sum(tf.cast(p, tf.float32))
+            for p in arrived["packed"]
+            if p is not None  # staged on its ps (scale-out)
         ]
         sums += [
-            tf.reduce_sum(tf.cast(v, tf.float32)) for _, v in arrived["sparse"]
+            tf.reduce_sum(tf.cast(pair[1], tf.float32))
+            for pair in arrived["sparse"]
+            if pair is not None
         ]
+        if not sums:
+            return tf.constant(True)
         return tf.math.is_finite(tf.add_n(sums))
 
     def _accumulate(self, arrived):
@@ -586,11 +738,17 @@ class Aggregator:
         adds = [
             g.buffer.assign_add(p, read_value=False)
             for g, p in zip(layout.dense, arrived["packed"])
+            if g.buffer is not None
         ]
         adds += [
-            s.queue.enqueue([idx, val])
-            for s, (idx, val) in zip(layout.sparse, arrived["sparse"])
+            s.queue.enqueue(list(pair))
+            for s, pair in zip(layout.sparse, arrived["sparse"])
+            if s.queue is not None
         ]
+        if self._scale_out is not None:
+            adds.append(
+                self._scale_out.admit(self.count.read_value(), arrived["id"])
+            )
         with tf.control_dependencies(adds):
             self.accepted.assign_add(1, read_value=False)
             _count_worker(self.accepted_per_worker, arrived["worker"])
@@ -658,6 +816,8 @@ class Aggregator:
             pushes = self.config.replicas_to_aggregate
         grads = []
         for slot in self._layout.sparse:
+            if slot.queue is None:  # staged on its ps
+                continue
             parts = [slot.queue.dequeue() for _ in range(pushes)]
             indices = tf.concat([idx for idx, _ in parts], 0)
             values = tf.concat([val for _, val in parts], 0)
@@ -680,12 +840,10 @@ class Aggregator:
                 [tf.constant(0, tf.int64)],
             )
             for slot in self._layout.sparse
+            if slot.queue is not None
         ]
         with tf.control_dependencies(drained):
-            ops = [
-                g.buffer.assign(tf.zeros_like(g.buffer), read_value=False)
-                for g in self._layout.dense
-            ]
+            ops = self._reset_buffers()
             ops.append(self.stale_dropped.assign_add(count, read_value=False))
             # Each dropped push took a token its step will not get back
             # from an update: return them, or the barrier runs short.
@@ -697,10 +855,14 @@ class Aggregator:
     def _apply(self, count, pushes=None):
         """Applies the mean of the accumulated gradients; releases tokens.
 
-        `pushes`: the Python int count of a `flush`, else None."""
+        Scale-out: applies this ps's share only and seals the step
+        (`ScaleOut.seal`); returns the seal id. `pushes`: the Python int
+        count of a `flush`, else None."""
         layout = self._layout
         grads_and_vars = []
         for group in layout.dense:
+            if group.buffer is None:  # staged on its ps
+                continue
             n = tf.cast(count, group.dtype)
             flat = group.buffer.read_value() / n
             for var, part in zip(group.variables, tf.split(flat, group.sizes)):
@@ -708,7 +870,8 @@ class Aggregator:
                     part = tf.reshape(part, var.shape)
                 grads_and_vars.append((part, var))
         drained = self._drain_sparse(count, pushes)
-        for slot, (idx, val) in zip(layout.sparse, drained):
+        here = [slot for slot in layout.sparse if slot.queue is not None]
+        for slot, (idx, val) in zip(here, drained):
             grads_and_vars.append(
                 (
                     tf.IndexedSlices(
@@ -721,18 +884,42 @@ class Aggregator:
                     slot.variable,
                 )
             )
+        if self._scale_out is not None:
+
+            def apply_here():
+                applied = self.apply_share(grads_and_vars)
+                with tf.control_dependencies([applied]):
+                    return tf.group(self._reset_buffers())
+
+            return self._scale_out.seal(apply_here)
         with step_context.sync_apply_scope():
             applied = self._apply_fn(grads_and_vars)
+        return self._end_step(applied, True)
+
+    def apply_share(self, grads_and_vars):
+        """Scale-out: applies one ps's share of an update, leaving the step
+        to the finalize (`ScaleOut`)."""
+        with step_context.sync_apply_scope():
+            return self._apply_fn(grads_and_vars, increment=False)
+
+    def _reset_buffers(self):
+        return [
+            g.buffer.assign(tf.zeros_like(g.buffer), read_value=False)
+            for g in self._layout.dense
+            if g.buffer is not None
+        ]
+
+    def _end_step(self, applied, reset_buffers):
+        """After `applied` (the update, the step incremented): the hooks,
+        the resets and the next step's tokens; returns True."""
+        with step_context.sync_apply_scope():
             with tf.control_dependencies([applied]):
                 hooks = [op for hook in self.after_apply for op in hook()]
             if hooks:
                 with tf.control_dependencies(hooks):
                     applied = tf.identity(self._step())
         with tf.control_dependencies([applied]):
-            resets = [
-                g.buffer.assign(tf.zeros_like(g.buffer), read_value=False)
-                for g in layout.dense
-            ]
+            resets = self._reset_buffers() if reset_buffers else []
             resets.append(self.count.assign(0, read_value=False))
             new_step = self._step()
             resets.append(self.acc_step.assign(new_step, read_value=False))

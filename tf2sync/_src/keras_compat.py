@@ -159,30 +159,35 @@ def build(optimizer, var_list) -> None:
                 tf_internals.new_compute_learning_rate(optimizer)
 
 
-def apply(optimizer, grads_and_vars) -> tf.Operation:
+def apply(optimizer, grads_and_vars, increment=True) -> tf.Operation:
     """Applies already-aggregated gradients once and increments `iterations`.
 
     Args:
       optimizer: The inner tf_keras optimizer, already built.
       grads_and_vars: `(gradient, variable)` pairs; a gradient may be a
         dense tensor or a deduplicated `tf.IndexedSlices`.
+      increment: Whether to increment `iterations` (and each group
+        optimizer's) after the updates. False applies one parameter
+        server's share of an update whose step `increment` ends later.
 
     Returns:
-      An op that runs after every variable update and the increment.
+      An op that runs after every variable update (and the increment).
     """
     grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
     if hasattr(optimizer, "apply_aggregated"):  # tf2sync.MultiOptimizer
-        return optimizer.apply_aggregated(grads_and_vars)
+        return optimizer.apply_aggregated(grads_and_vars, increment)
     if is_tfa_multi(optimizer):
         # Each spec optimizer applies its share once (and steps its own
         # `iterations`, as its `apply_gradients` would); then the global step.
         done = [
-            apply(spec_optimizer, gv)
+            apply(spec_optimizer, gv, increment)
             for spec_optimizer, gv in _tfa_route(
                 optimizer, grads_and_vars, lambda gv: gv[1].name
             )
         ]
         with tf.control_dependencies(done):
+            if not increment:
+                return tf.no_op()
             return optimizer.iterations.assign_add(1).op
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     first = 0 if graph is None else len(graph.get_operations())
@@ -199,6 +204,31 @@ def apply(optimizer, grads_and_vars) -> tf.Operation:
     # 0.7 s of its trace.) Reads are inputs of the writes, or order nothing.
     writes = [] if graph is None else _stateful_writes(graph, first)
     with tf.control_dependencies(writes):
+        if not increment:
+            return tf.no_op()
+        return optimizer.iterations.assign_add(1).op
+
+
+def increment(optimizer, var_list) -> tf.Operation:
+    """Increments `iterations` as `apply(optimizer, gv)` would, after an
+    update whose shares were applied with `increment=False`.
+
+    Args:
+      optimizer: The inner tf_keras optimizer.
+      var_list: Every variable the update had a gradient for (a group
+        optimizer steps its own `iterations` where it had a share).
+    """
+    if hasattr(optimizer, "increment_aggregated"):  # tf2sync.MultiOptimizer
+        return optimizer.increment_aggregated(var_list)
+    ops = []
+    if is_tfa_multi(optimizer):
+        ops = [
+            increment(spec_optimizer, variables)
+            for spec_optimizer, variables in _tfa_route(
+                optimizer, list(var_list), lambda v: v.name
+            )
+        ]
+    with tf.control_dependencies(ops):
         return optimizer.iterations.assign_add(1).op
 
 

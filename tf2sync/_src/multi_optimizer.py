@@ -273,14 +273,28 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
             parts.setdefault(self._routes[id(v)], []).append((g, v))
         return parts
 
-    def apply_aggregated(self, grads_and_vars):
+    def apply_aggregated(self, grads_and_vars, increment=True):
         """Applies each group's share once; increments `iterations` by 1.
 
-        Used by `SyncOptimizer` inside its critical section.
+        Used by `SyncOptimizer`'s apply. With `increment=False` nothing is
+        incremented (one parameter server's share of an update; see
+        `increment_aggregated`).
         """
         done = [
-            keras_compat.apply(self.optimizers[i], gv)
+            keras_compat.apply(self.optimizers[i], gv, increment)
             for i, gv in self._split(grads_and_vars).items()
+        ]
+        with tf.control_dependencies(done):
+            if not increment:
+                return tf.no_op()
+            return self.iterations.assign_add(1).op
+
+    def increment_aggregated(self, var_list):
+        """Increments what `apply_aggregated` would have for `var_list`: the
+        `iterations` of each group with a variable there, then this one's."""
+        done = [
+            keras_compat.increment(self.optimizers[i], [v for _, v in gv])
+            for i, gv in self._split([(None, v) for v in var_list]).items()
         ]
         with tf.control_dependencies(done):
             return self.iterations.assign_add(1).op

@@ -138,6 +138,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             self._apply_aggregated,
             name=self._name,
             num_workers=tf_internals.num_workers(strategy),
+            increment_fn=self._increment_aggregated,
         )
         strategy._attach(self._aggregator)
         self._ema = None
@@ -401,8 +402,11 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         )
         return applied
 
-    def _apply_aggregated(self, grads_and_vars):
-        return keras_compat.apply(self._optimizer, grads_and_vars)
+    def _apply_aggregated(self, grads_and_vars, increment=True):
+        return keras_compat.apply(self._optimizer, grads_and_vars, increment)
+
+    def _increment_aggregated(self, var_list):
+        return keras_compat.increment(self._optimizer, var_list)
 
 
 def _inner_name(optimizer):

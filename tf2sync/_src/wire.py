@@ -45,9 +45,16 @@ class SparseSlot:
 
 
 class Layout:
-    """How one set of variables' gradients is packed; built once, eagerly."""
+    """How one set of variables' gradients is packed; built once, eagerly.
 
-    def __init__(self, grads_and_vars, name):
+    With `staged_elsewhere`, a predicate on a variable's device, the
+    variables on such devices get no accumulator (`buffer` and `queue` are
+    None): their gradients are staged on their ps instead (`tf2sync._src.
+    sync.staging`).
+    """
+
+    def __init__(self, grads_and_vars, name, staged_elsewhere=None):
+        staged = staged_elsewhere or (lambda device: False)
         self.keys = [variable_key(v) for _, v in grads_and_vars]
         self.sparse_keys = frozenset(
             variable_key(v)
@@ -60,12 +67,14 @@ class Layout:
             if g is None:
                 continue
             if isinstance(g, tf.IndexedSlices):
-                with tf.init_scope(), tf.device(v.device):
-                    queue = tf.queue.FIFOQueue(
-                        capacity=-1,
-                        dtypes=[tf.int64, v.dtype.base_dtype],
-                        name=f"{name}_sparse",
-                    )
+                queue = None
+                if not staged(v.device):
+                    with tf.init_scope(), tf.device(v.device):
+                        queue = tf.queue.FIFOQueue(
+                            capacity=-1,
+                            dtypes=[tf.int64, v.dtype.base_dtype],
+                            name=f"{name}_sparse",
+                        )
                 self.sparse.append(SparseSlot(v, queue))
             else:
                 key = (v.device, v.dtype.base_dtype)
@@ -73,9 +82,11 @@ class Layout:
         self.dense = []
         for (device, dtype), variables in groups.items():
             sizes = [int(np.prod(v.shape.as_list())) for v in variables]
-            with tf.init_scope(), tf.device(device):  # made there, not sent
-                zeros = tf.zeros([sum(sizes)], dtype)
-            buffer = ps_variable(zeros, device, f"{name}_acc")
+            buffer = None
+            if not staged(device):
+                with tf.init_scope(), tf.device(device):  # made there
+                    zeros = tf.zeros([sum(sizes)], dtype)
+                buffer = ps_variable(zeros, device, f"{name}_acc")
             self.dense.append(
                 DenseGroup(device, dtype, variables, sizes, buffer)
             )

@@ -1,0 +1,1 @@
+"""The synchronisation protocol over several parameter servers."""
