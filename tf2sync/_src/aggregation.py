@@ -58,6 +58,7 @@ from tf2sync._src import step_context
 from tf2sync._src import tf_internals
 from tf2sync._src import watchdog
 from tf2sync._src import wire as wire_lib
+from tf2sync._src.sync import local_apply
 from tf2sync._src.sync import scale_out as scale_out_lib
 
 
@@ -78,6 +79,7 @@ class Aggregator:
         initial_tokens=None,
         sparse_mean="pushes",
         increment_fn=None,
+        variables_fn=None,
     ):
         """Creates the token queue, counters and critical section eagerly.
 
@@ -102,6 +104,9 @@ class Aggregator:
             by 1. Given, gradients on several ps aggregate by
             `sync.scale_out`'s protocol; None keeps them in one critical
             section.
+          variables_fn: Returns the optimizer's variables (its step,
+            hyperparameters and slots): what a ps's apply may read from
+            another ps (`sync.local_apply`).
         """
         if sparse_mean not in ("pushes", "rows"):
             raise ValueError(
@@ -114,10 +119,12 @@ class Aggregator:
         self.device = global_step.device
         self._apply_fn = apply_fn
         self._increment_fn = increment_fn
+        self._variables_fn = variables_fn or (lambda: [])
         self._scale_out = None
         self._name = name
         self._layout = None
         self._push_functions = {}
+        self._finalizers = {}
         self._totals_function = None
         self._graphs_with_push = weakref.WeakSet()
         self.barrier = barrier_lib.TokenBarrier(global_step, name)
@@ -333,6 +340,8 @@ class Aggregator:
             tokens=self.tokens_available(),
             pending=int(self.count.numpy()),
             required=self.config.replicas_to_aggregate,
+            sealed=self._scale_out is not None
+            and int(self._scale_out.sealed.numpy()) != 0,
         )
 
     def build(self, grads_and_vars) -> None:
@@ -358,6 +367,10 @@ class Aggregator:
                 "with a new tf2sync.SyncOptimizer: it replaces this one."
             )
 
+    def optimizer_variables(self) -> list:
+        """The global step and the optimizer's variables."""
+        return [self.global_step] + list(self._variables_fn())
+
     def _staged_devices(self, grads_and_vars):
         """The predicate of the devices whose gradients are staged, or None
         where every gradient aggregates in this ps's critical section."""
@@ -369,9 +382,11 @@ class Aggregator:
             if g is not None
             and not scale_out_lib.same_device(v.device, self.device)
         }
-        if not others:
+        if not others:  # one call of one ps per push is faster still
             return None
-        return lambda device: not scale_out_lib.same_device(device, self.device)
+        # This ps's share too: its commit then holds no model variable,
+        # so a repeated step calls it as one function of this ps.
+        return lambda device: True
 
     # Step side (traced) ---------------------------------------------------
 
@@ -503,21 +518,39 @@ class Aggregator:
             staged = scale_out.apply_staged(
                 admitted, count, seal, self._sparse_mean
             )
-            with tf.control_dependencies([staged]), tf.device(self.device):
-                return self._cs.execute(
-                    lambda: self._finalize(seal, stats),
+            with tf.control_dependencies([staged]):
+                return self._finalizer(stats)(seal, admitted, count)
+
+        # Decided where the seal is: the dead branches of the pushes that
+        # did not seal cost no round trip through the worker.
+        with tf.device(self.device):
+            return tf.cond(seal > 0, apply, lambda: (tf.constant(False), read))
+
+    def _finalizer(self, stats):
+        """The finalize as one function of this ps where it can be (it
+        holds nothing of another ps: no EMA or group optimizer there)."""
+        if stats not in self._finalizers:
+            self._finalizers[stats] = local_apply.LocalApply(
+                self.device,
+                lambda seal, admitted, count: self._cs.execute(
+                    lambda: self._finalize(seal, admitted, count, stats),
                     # The other ps' sections read the step too: the seal
                     # orders them before this.
                     exclusive_resource_access=False,
-                )
+                ),
+                self.optimizer_variables,
+            )
+        return self._finalizers[stats]
 
-        return tf.cond(seal > 0, apply, lambda: (tf.constant(False), read))
-
-    def _finalize(self, seal, stats):
+    def _finalize(self, seal, admitted, count, stats):
         """Scale-out, in the critical section: ends the step sealed as
         `seal` (see `ScaleOut.finalize`); returns `(ended, stats)`."""
         ended = self._scale_out.finalize(
-            seal, lambda: self._end_step(self._increment(), False)
+            seal,
+            admitted,
+            count,
+            self._sparse_mean,
+            lambda: self._end_step(self._increment(), False),
         )
         if not stats:
             return ended, tf.zeros([0], tf.float64)
@@ -884,14 +917,8 @@ class Aggregator:
                     slot.variable,
                 )
             )
-        if self._scale_out is not None:
-
-            def apply_here():
-                applied = self.apply_share(grads_and_vars)
-                with tf.control_dependencies([applied]):
-                    return tf.group(self._reset_buffers())
-
-            return self._scale_out.seal(apply_here)
+        if self._scale_out is not None:  # every share is staged
+            return self._scale_out.seal(tf.no_op)
         with step_context.sync_apply_scope():
             applied = self._apply_fn(grads_and_vars)
         return self._end_step(applied, True)

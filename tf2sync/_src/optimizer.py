@@ -139,6 +139,9 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             name=self._name,
             num_workers=tf_internals.num_workers(strategy),
             increment_fn=self._increment_aggregated,
+            variables_fn=lambda: tf_internals.optimizer_state_variables(
+                optimizer
+            ),
         )
         strategy._attach(self._aggregator)
         self._ema = None

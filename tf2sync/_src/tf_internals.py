@@ -1324,6 +1324,28 @@ def new_learning_rate_uncomputed(optimizer) -> bool:
     )
 
 
+def optimizer_state_variables(optimizer) -> list:
+    """Every variable an optimizer's apply may read: `variables()`, a
+    legacy optimizer's hyperparameters (`_hyper`, not listed there), a new
+    one's rate variables, and those of the optimizers it holds (tf2sync's
+    `MultiOptimizer`, tensorflow-addons'). Checked on tf_keras 2.21."""
+    found = list(optimizer.variables())
+    found += [
+        v
+        for v in getattr(optimizer, "_hyper", {}).values()
+        if isinstance(v, tf.Variable)
+    ]
+    for name in ("_learning_rate", "_current_learning_rate", "_iterations"):
+        value = getattr(optimizer, name, None)
+        if isinstance(value, tf.Variable):
+            found.append(value)
+    for inner in getattr(optimizer, "optimizers", None) or ():
+        found += optimizer_state_variables(inner)
+    for spec in getattr(optimizer, "optimizer_specs", None) or ():
+        found += optimizer_state_variables(spec["optimizer"])
+    return found
+
+
 def new_compute_learning_rate(optimizer) -> None:
     """Evaluates a new-family optimizer's rate at its `iterations`."""
     optimizer._compute_current_learning_rate()

@@ -21,6 +21,12 @@ most one token per synchronous optimizer (a step takes its next token only
 after its push); releasing on a stall rather than per failed worker also
 covers a dequeue the dead worker left waiting on the ps, which takes the
 next token released.
+
+With variables on several ps (`sync.scale_out`), the worker whose push
+sealed a step applies it; one that dies before it is done leaves the step
+sealed. Stalled so, the watchdog calls the barrier's `recover()`, which
+applies the step where it was not yet applied and ends it (each ps applies
+it once, whoever else is still applying it).
 """
 
 from __future__ import annotations
@@ -71,6 +77,9 @@ class WatchState(NamedTuple):
     # TF1's order (push, then token) the last ones may wait for a round
     # that needs more pushes than will come.
     drained: bool = False
+    # Scale-out (`sync.scale_out`): a step was sealed and not yet ended;
+    # stalled so, the push that sealed it died: `recover()` ends it.
+    sealed: bool = False
 
 
 class TokenWatchdog:
@@ -147,6 +156,19 @@ class TokenWatchdog:
             alarmed = self._alarmed()
             if alarmed:
                 limit = min(limit, ALARM_TIMEOUT)
+            if state.sealed and time.monotonic() - since >= limit:
+                logging.warning(
+                    "tf2sync: step %d was sealed and not applied for %.1f s "
+                    "(the worker that sealed it probably died): applying it.",
+                    state.step,
+                    time.monotonic() - since,
+                )
+                with _POLL_LOCK:
+                    if self._stop.is_set():
+                        return
+                    barrier.recover()
+                since = time.monotonic()
+                continue
             if state.tokens > 0 or time.monotonic() - since < limit:
                 continue
             needed = max(1, state.required - state.pending)

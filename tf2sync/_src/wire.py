@@ -127,16 +127,20 @@ class Wire:
     DTYPE = tf.float32
 
     def __init__(self, device, layout, packed, sparse, worker, riders=()):
+        # Staged gradients (no accumulator here) travel to their stage.
         self._dense = [
             i
             for i, g in enumerate(layout.dense)
-            if g.device == device and g.dtype == self.DTYPE
+            if g.device == device
+            and g.dtype == self.DTYPE
+            and g.buffer is not None
         ]
         self._sparse = [
             i
             for i, slot in enumerate(layout.sparse)
             if slot.variable.device == device
             and slot.variable.dtype.base_dtype == self.DTYPE
+            and slot.queue is not None
         ]
         self._layout = layout
         self._packed = packed

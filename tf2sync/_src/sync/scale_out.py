@@ -50,6 +50,7 @@ import time
 import tensorflow as tf
 
 from tf2sync._src import wire as wire_lib
+from tf2sync._src.sync import local_apply
 from tf2sync._src.sync import staging as staging_lib
 
 # Push ids are drawn in [1, 2**62): 0 marks no push.
@@ -92,6 +93,11 @@ class ScaleOut:
                 )
             )
             self._indices.append((dense, sparse))
+        # The global step's ps's own share: applied by the finalize.
+        self.home_staging = None
+        for st in self.stagings:
+            if same_device(st.device, self.home):
+                self.home_staging = st
         n = aggregator.config.replicas_to_aggregate
         home = self.home
         self.admitted = wire_lib.ps_variable(
@@ -103,6 +109,7 @@ class ScaleOut:
         self.seals = wire_lib.ps_variable(
             tf.constant(time.time_ns() // 1000, tf.int64), home, name + "_seals"
         )
+        self._appliers = {}
         self._variables = [g.variables for g in layout.dense]
         self._all_variables = [v for vs in self._variables for v in vs] + [
             s.variable for s in layout.sparse
@@ -112,8 +119,19 @@ class ScaleOut:
 
     @staticmethod
     def new_push_id():
-        """A fresh push id, drawn where the push runs."""
-        return tf.random.uniform([], 1, _MAX_ID, dtype=tf.int64)
+        """A fresh push id, drawn where the push runs.
+
+        Seeded by the kernel itself, never by TF's global seed: under
+        `tf.random.set_seed` (or `tf.keras.utils.set_random_seed`) every
+        worker's copy of a function would draw the same sequence.
+        """
+        return tf.raw_ops.RandomUniformInt(
+            shape=tf.constant([], tf.int32),
+            minval=tf.constant(1, tf.int64),
+            maxval=tf.constant(_MAX_ID, tf.int64),
+            seed=0,
+            seed2=0,
+        )
 
     def stage(self, push_id, inputs, check_finite):
         """Stages the push's shares; returns its acknowledgement on `H`
@@ -158,46 +176,34 @@ class ScaleOut:
         module docstring). Runs outside `H`'s section.
         """
         done = []
-        for st in self.stagings:
-            with tf.device(st.device):
-                done.append(
-                    st.cs.execute(
-                        lambda st=st: self._apply_on(
+        for k, st in enumerate(self.stagings):
+            if st is self.home_staging:  # applied by the finalize
+                continue
+            apply = self._appliers.get((k, sparse_mean))
+            if apply is None:
+
+                def body(admitted, count, seal, st=st):
+                    return st.cs.execute(
+                        lambda: self._apply_on(
                             st, admitted, count, seal, sparse_mean
                         ),
                         # It reads what `H`'s section holds too (the step,
                         # hyperparameters): the seal orders the two.
                         exclusive_resource_access=False,
                     )
+
+                apply = local_apply.LocalApply(
+                    st.device, body, self._agg.optimizer_variables
                 )
+                self._appliers[(k, sparse_mean)] = apply
+            done.append(apply(admitted, count, seal))
         return tf.group(done)
 
     def _apply_on(self, st, admitted, count, seal, sparse_mean):
         def run():
-            sums, rows = st.drain(admitted, count)
-            grads_and_vars = []
-            for group, total in zip(st.dense, sums):
-                flat = total / tf.cast(count, group.dtype)
-                for var, part in zip(
-                    group.variables, tf.split(flat, group.sizes)
-                ):
-                    if var.shape.rank != 1:
-                        part = tf.reshape(part, var.shape)
-                    grads_and_vars.append((part, var))
-            for slot, (ids, values) in zip(st.sparse, rows):
-                if sparse_mean == "rows":
-                    unique, mean = wire_lib.row_mean(ids, values)
-                else:
-                    unique, total = wire_lib.dedup(
-                        tf.IndexedSlices(values, ids)
-                    )
-                    mean = total / tf.cast(count, total.dtype)
-                shape = tf.constant(slot.variable.shape.as_list(), tf.int64)
-                grads_and_vars.append(
-                    (tf.IndexedSlices(mean, unique, shape), slot.variable)
-                )
-            applied = self._agg.apply_share(grads_and_vars)
-            with tf.control_dependencies([applied]):
+            with tf.control_dependencies(
+                [self._apply_share(st, admitted, count, sparse_mean)]
+            ):
                 mark = st.last_seal.assign(seal, read_value=False)
             with tf.control_dependencies([mark]):
                 return tf.constant(True)
@@ -206,13 +212,48 @@ class ScaleOut:
             seal > st.last_seal.read_value(), run, lambda: tf.constant(False)
         )
 
-    def finalize(self, seal, end_step):
+    def _apply_share(self, st, admitted, count, sparse_mean):
+        """Drains `st` and applies the admitted pushes' mean; an op."""
+        sums, rows = st.drain(
+            admitted, count, self._agg.config.replicas_to_aggregate
+        )
+        grads_and_vars = []
+        for group, total in zip(st.dense, sums):
+            flat = total / tf.cast(count, group.dtype)
+            for var, part in zip(group.variables, tf.split(flat, group.sizes)):
+                if var.shape.rank != 1:
+                    part = tf.reshape(part, var.shape)
+                grads_and_vars.append((part, var))
+        for slot, (ids, values) in zip(st.sparse, rows):
+            if sparse_mean == "rows":
+                unique, mean = wire_lib.row_mean(ids, values)
+            else:
+                unique, total = wire_lib.dedup(tf.IndexedSlices(values, ids))
+                mean = total / tf.cast(count, total.dtype)
+            shape = tf.constant(slot.variable.shape.as_list(), tf.int64)
+            grads_and_vars.append(
+                (tf.IndexedSlices(mean, unique, shape), slot.variable)
+            )
+        return self._agg.apply_share(grads_and_vars)
+
+    def finalize(self, seal, admitted, count, sparse_mean, end_step):
         """Ends the sealed step (in `H`'s section) iff `seal` is still the
-        seal: `end_step()` (the increment, hooks, resets and tokens) and
-        the seal cleared. Returns whether it ended it."""
+        seal: applies `H`'s own share (under `H`'s section, which orders
+        it: it needs no seal marker), then `end_step()` (the increment,
+        hooks, resets and tokens) and clears the seal. Returns whether it
+        ended it."""
 
         def run():
-            with tf.control_dependencies([end_step()]):
+            ops = []
+            if self.home_staging is not None:
+                ops.append(
+                    self._apply_share(
+                        self.home_staging, admitted, count, sparse_mean
+                    )
+                )
+            with tf.control_dependencies(ops):
+                ended = end_step()
+            with tf.control_dependencies([ended]):
                 clear = self.sealed.assign(0, read_value=False)
             with tf.control_dependencies([clear]):
                 return tf.constant(True)
