@@ -23,6 +23,7 @@ from __future__ import annotations
 import weakref
 
 import tensorflow as tf
+from absl import logging
 
 from tf2sync._src import aggregation
 from tf2sync._src import config as config_lib
@@ -420,9 +421,23 @@ class PushFirstStep:
     def init_tokens(self, num):
         """TF1's init-tokens op run by hand: the chief's start, no watchdog.
 
-        `ChiefRunner.start()` (TF1's queue runner, started next) then adds
-        the watchdog; no dispatch seeds tokens again.
+        TF1's chief ran it once, at session start. Here it enqueues `num`
+        tokens only if nothing started the round yet: after the coordinator
+        (its first dispatch), a hook or an earlier call, the round already
+        has its initial tokens, and more would cost every worker one more
+        wasted step; such a call adds nothing and logs why. `ChiefRunner.
+        start()` (TF1's queue runner) adds the watchdog; no dispatch seeds
+        tokens again.
         """
+        if self.started:
+            logging.warning(
+                "SyncReplicasOptimizer: the init-tokens op was called after "
+                "the round started (%s): it enqueued nothing (TF1's chief "
+                "ran it once; another %d tokens would waste a step).",
+                _describe_claim(self._claimed_by),
+                num,
+            )
+            return
         if num > 0:
             self.aggregator.seed_tokens(num)
         self.started = True
@@ -437,3 +452,12 @@ class PushFirstStep:
             self.watchdog = watchdog.TokenWatchdog(
                 self, timeout, drain_timeout=DRAIN_TIMEOUT
             )
+
+
+def _describe_claim(claimed_by):
+    """Who started the round, for the log: the coordinator, TF1's
+    init-tokens op, or a hook."""
+    for who in (_AUTO, _MANUAL):
+        if who in claimed_by:
+            return who
+    return "started by a hook's after_create_session()"

@@ -30,12 +30,13 @@ class ChiefRunner:
         return self._protocol.started
 
     def start(self):
-        """Starts the watchdog; first the chief's side, if nothing did.
+        """Starts the token watchdog; enqueues no tokens.
 
-        After TF1's `get_init_tokens_op()()` (the chief's tokens), only the
-        watchdog starts; otherwise TF1's default tokens are enqueued first.
+        TF1's queue runner enqueued none before its first round: the
+        initial tokens are the init-tokens op's (`get_init_tokens_op()()`,
+        before or after this call), else the coordinator's, which seeds
+        TF1's default count before the first dispatch if nothing did.
         """
-        self._protocol.before_dispatch()
         self._protocol.start_watchdog()
         return self
 
