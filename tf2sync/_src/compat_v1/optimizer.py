@@ -214,10 +214,12 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
 
     @property
     def local_steps(self):
-        """The int64 vector of every worker's local step (on the step's ps).
+        """The vector of every worker's local step (on the step's ps).
 
-        Shared by every shim optimizer of the same round; None before the
-        first `apply_gradients`.
+        Indexed by the worker that runs the step (decided when it runs),
+        in the global step's dtype (TF1's local step's). Shared by every
+        shim optimizer of the same round; None before the first
+        `apply_gradients`.
         """
         return self._protocol.local_steps if self._protocol else None
 
@@ -228,9 +230,9 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
 
     @property
     def _sync_token_queue(self):
-        # TF1's attribute: the token queue (the core barrier's).
-        aggregator = self._protocol.aggregator if self._protocol else None
-        return None if aggregator is None else aggregator.token_queue
+        # TF1's attribute: the token queue (the core barrier's, int64),
+        # seen in the global step's dtype as TF1's was.
+        return self._protocol.token_queue() if self._protocol else None
 
     @property
     def _accumulator_list(self):
