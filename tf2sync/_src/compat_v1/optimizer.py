@@ -26,6 +26,17 @@ from tf2sync._src.compat_v1 import inner
 
 _KERAS = keras_compat.KERAS_OPTIMIZERS
 
+# TF1's messages, word for word, then what to do in TF2.
+TF1_NOT_APPLIED = "Should be called after apply_gradients()."
+TF1_TOKENS_NOT_APPLIED = (
+    "get_init_tokens_op() should be called after apply_gradients()."
+)
+_CALLED_TOO_EARLY = (
+    "{} In TF2, trace the step first (`step.get_concrete_function(...)`, "
+    "whose strategy.run calls apply_gradients), or drop the call: the "
+    "coordinator starts the round before the first scheduled step."
+)
+
 
 class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
     """TF1's `SyncReplicasOptimizer` for TF2 ParameterServerStrategy.
@@ -328,7 +339,7 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
     def get_chief_queue_runner(self):
         """The `ChiefRunner` (start()/stop()) of the chief's side."""
         if not self._gradients_applied:
-            raise ValueError("Should be called after apply_gradients().")
+            raise ValueError(_CALLED_TOO_EARLY.format(TF1_NOT_APPLIED))
         return hooks.ChiefRunner(self._protocol)
 
     def get_init_tokens_op(self, num_tokens=-1):
@@ -344,9 +355,7 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
           ValueError: Before `apply_gradients`, or with too few tokens.
         """
         if not self._gradients_applied:
-            raise ValueError(
-                "get_init_tokens_op() should be called after apply_gradients()."
-            )
+            raise ValueError(_CALLED_TOO_EARLY.format(TF1_TOKENS_NOT_APPLIED))
         tokens_needed = self._replicas_to_aggregate - self._total_num_replicas
         if num_tokens == -1:
             num_tokens = self._replicas_to_aggregate
