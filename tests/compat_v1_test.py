@@ -698,14 +698,22 @@ class SyncReplicasTest(absltest.TestCase):
             "using the hook.$",
         ):
             hook.begin()
+        # TF1's words, then what to do in TF2.
+        advice = (
+            r" In TF2, trace the step first \(`step.get_concrete_function"
+            r"\(...\)`, whose strategy.run calls apply_gradients\), or drop "
+            r"the call: the coordinator starts the round before the first "
+            r"scheduled step.$"
+        )
         with self.assertRaisesRegex(
             ValueError,
             r"^get_init_tokens_op\(\) should be called after "
-            r"apply_gradients\(\).$",
+            r"apply_gradients\(\)\." + advice,
         ):
             opt.get_init_tokens_op()
         with self.assertRaisesRegex(
-            ValueError, r"^Should be called after apply_gradients\(\).$"
+            ValueError,
+            r"^Should be called after apply_gradients\(\)\." + advice,
         ):
             opt.get_chief_queue_runner()
         with self.assertRaisesRegex(

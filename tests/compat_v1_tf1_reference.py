@@ -5,12 +5,14 @@ Usage: compat_v1_tf1_reference.py '<json list of phases>' ['<json config>']
 Builds TF's own `get_workers` fixture (v0, v1 and v_sparse) on an
 in-process cluster of `workers` workers (default 2) and 1 ps on 127.0.0.1,
 with `rta` (default 2), `total` (default `workers`), `num_tokens` (default
-2) and optional moving averages of v0 and v1 (`ema`: the decay; resource
-variables then). Runs each phase (a list of worker indices; several run
-concurrently), waits until no round is pending, and prints one line per
-phase: `global_step v0 v1 v_sparse[0] v_sparse[1] [ema(v0) ema(v1)]
-local_step_0 ...`. Exits with os._exit: the chief's queue-runner thread
-stays blocked in a take.
+2), the inner optimizer (`inner`: "sgd", TF's GradientDescentOptimizer(2.0),
+the default, or "adam", AdamOptimizer(ADAM_LR)), the global step's dtype
+(`step_dtype`: "int32", TF's default, or "int64") and optional moving
+averages of v0 and v1 (`ema`: the decay; resource variables then). Runs
+each phase (a list of worker indices; several run concurrently), waits
+until no round is pending, and prints one line per phase: `global_step v0
+v1 v_sparse[0] v_sparse[1] [ema(v0) ema(v1)] local_step_0 ...`. Exits
+with os._exit: the chief's queue-runner thread stays blocked in a take.
 """
 
 import json
@@ -25,6 +27,8 @@ import tensorflow as tf  # noqa: E402
 
 from tf2sync.testing import cluster_spec_dict  # noqa: E402
 
+ADAM_LR = 0.1
+
 
 def main(phases, config):
     num_workers = config.get("workers", 2)
@@ -33,6 +37,8 @@ def main(phases, config):
     num_tokens = config.get("num_tokens", 2)
     decay = config.get("ema")
     use_resource = decay is not None or None
+    inner = config.get("inner", "sgd")
+    step_dtype = tf.as_dtype(config.get("step_dtype", "int32"))
     tf.compat.v1.disable_eager_execution()
     spec = cluster_spec_dict(num_workers, 1)
     cluster = tf.train.ClusterSpec({"worker": spec["worker"], "ps": spec["ps"]})
@@ -50,7 +56,7 @@ def main(phases, config):
         with graph.as_default():
             with tf.device("/job:ps/task:0"):
                 global_step = tf.compat.v1.Variable(
-                    0,
+                    tf.constant(0, step_dtype),
                     name="global_step",
                     trainable=False,
                     use_resource=use_resource,
@@ -75,8 +81,12 @@ def main(phases, config):
                 ema = None
                 if decay is not None:
                     ema = tf.compat.v1.train.ExponentialMovingAverage(decay)
+                if inner == "adam":
+                    opt = tf.compat.v1.train.AdamOptimizer(ADAM_LR)
+                else:
+                    opt = tf.compat.v1.train.GradientDescentOptimizer(2.0)
                 sync = tf.compat.v1.train.SyncReplicasOptimizer(
-                    tf.compat.v1.train.GradientDescentOptimizer(2.0),
+                    opt,
                     replicas_to_aggregate=rta,
                     total_num_replicas=total,
                     variable_averages=ema,

@@ -191,10 +191,19 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             return super().schedule(fn, args=args, kwargs=kwargs)
         wrapped = self._wrapped.get(fn)
         if wrapped is None:
+            traced = fn
+            if protocol.traces_before_dispatch:
+                # The TF1 shim reads the worker's index (its local step)
+                # when the step is traced. A trace the user made before
+                # (`step.get_concrete_function()` to call TF1's chief
+                # methods) has none, and `fn` would reuse it here: every
+                # worker would push with worker 0's local step. A copy of
+                # `fn` without traces is traced under the worker's index.
+                traced = tf_internals.untraced_copy(fn)
 
             def with_worker(worker, *a, **k):
                 with step_context.WorkerScope(worker):
-                    return fn(*a, **k)
+                    return traced(*a, **k)
 
             # Nothing here to convert: `fn` converts itself when traced.
             wrapped = tf.function(with_worker, autograph=False)

@@ -1086,6 +1086,20 @@ def without_retracing_warning(function):
     return function
 
 
+def untraced_copy(function):
+    """A copy of the `tf.function` `function` without its traces.
+
+    `Function._clone(None)`: the same Python function and options
+    (input signature, AutoGraph, XLA), an empty cache. There is no public
+    way to trace a function anew: a call reuses any trace made in the same
+    context (the same outermost graph, device and strategy scope), even
+    one made while `tf2sync` state read at trace time (the scheduled
+    worker's index) was different. Returns `function` itself if it has no
+    such method [2.21]."""
+    clone = getattr(function, "_clone", None)
+    return function if clone is None else clone(None)
+
+
 def convert_as_caller(fn):
     """`fn`, converted by AutoGraph iff the code calling tf2sync is.
 

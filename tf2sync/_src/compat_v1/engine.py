@@ -23,6 +23,7 @@ from __future__ import annotations
 import weakref
 
 import tensorflow as tf
+from absl import logging
 
 from tf2sync._src import aggregation
 from tf2sync._src import config as config_lib
@@ -30,6 +31,7 @@ from tf2sync._src import step_context
 from tf2sync._src import tf_internals
 from tf2sync._src import watchdog
 from tf2sync._src import wire
+from tf2sync._src.compat_v1 import hooks
 from tf2sync._src.compat_v1 import inner
 from tf2sync._src.compat_v1 import step as step_lib
 
@@ -77,6 +79,7 @@ class PushFirstStep:
         self._owner = {}  # id(variable) -> optimizer
         self._variables = []  # every variable pushed, in order
         self._claimed_by = set()
+        self._token_queue = None
         self._open = weakref.WeakKeyDictionary()  # graph -> step_lib.Step
         self._last_token = weakref.WeakKeyDictionary()  # graph -> token
 
@@ -162,7 +165,7 @@ class PushFirstStep:
             step.entries.append((opt, grads_and_vars, global_step))
             return self._push(step, start=tf.executing_eagerly())
         step.entries.append((opt, grads_and_vars, global_step))
-        placeholder = tf.identity(tf.zeros([], tf.int64))
+        placeholder = tf.identity(tf.zeros([], self.token_dtype(global_step)))
         step.results.append(placeholder)
         return placeholder
 
@@ -172,11 +175,14 @@ class PushFirstStep:
         )
         token = self._push(step)
         for placeholder in step.results:
-            tf_internals.update_op_input(placeholder.op, 0, token)
+            tf_internals.update_op_input(
+                placeholder.op, 0, tf.cast(token, placeholder.dtype)
+            )
         self._last_token[graph] = token
 
     def _push(self, step, start=False):
-        """The step's one push, then its token; returns the token.
+        """The step's one push, then its token; returns the token (in the
+        global step's dtype, as the local steps: the core's are int64).
 
         With `start`, the chief's side starts first if nothing started it
         (an eager call: no coordinator dispatch will).
@@ -193,11 +199,13 @@ class PushFirstStep:
         if start:
             self.before_dispatch()
         with tf.control_dependencies(step.after):
-            tag = tf.gather(self.local_steps, step.worker)
+            tag = tf.cast(tf.gather(self.local_steps, step.worker), tf.int64)
         applied, _ = aggregator.push(
             tag, grads_and_vars, worker=step.worker, stats=False
         )
-        token = aggregator.take_token([applied])
+        token = tf.cast(
+            aggregator.take_token([applied]), self.local_steps.dtype
+        )
         update = self.local_steps.scatter_update(
             tf.IndexedSlices(
                 tf.reshape(token, [1]), tf.reshape(step.worker, [1])
@@ -241,6 +249,27 @@ class PushFirstStep:
                     self._owner[id(var)] = opt
             if all(opt is not m for m, _ in self.members):
                 self.members.append((opt, global_step))
+
+    def token_dtype(self, global_step=None):
+        """The dtype TF1 gave tokens and local steps: the global step's.
+
+        The round's global step, else `global_step` (a step's first call
+        that gives one), else int64 (a call without one, traced before any
+        call that gives one).
+        """
+        step = self.global_step if self.global_step is not None else global_step
+        return tf.int64 if step is None else step.dtype.base_dtype
+
+    def token_queue(self):
+        """TF1's token queue, in the global step's dtype; None before the
+        first step built the round."""
+        if self.aggregator is None:
+            return None
+        if self._token_queue is None:
+            self._token_queue = hooks.TokenQueue(
+                self.aggregator.token_queue, self.token_dtype()
+            )
+        return self._token_queue
 
     def variables_of(self, opt):
         """The variables `opt` pushes, in order."""
@@ -289,7 +318,8 @@ class PushFirstStep:
             sparse_mean="rows",
         )
         device = self.aggregator.device
-        step = tf.cast(self.global_step.read_value(), tf.int64)
+        # TF1's local step and tokens have the global step's dtype.
+        step = tf.cast(self.global_step.read_value(), self.token_dtype())
         self.local_steps = wire.ps_variable(
             tf.fill([num_workers], step), device, f"{leader._name}_local_step"
         )
@@ -396,7 +426,7 @@ class PushFirstStep:
 
     def local_step_init(self):
         """Every worker's local step := the global step (TF1's init op)."""
-        step = tf.cast(self.global_step.read_value(), tf.int64)
+        step = tf.cast(self.global_step.read_value(), self.local_steps.dtype)
         self.local_steps.assign(tf.fill(tf.shape(self.local_steps), step))
 
     def watch_state(self) -> watchdog.WatchState:
@@ -420,9 +450,23 @@ class PushFirstStep:
     def init_tokens(self, num):
         """TF1's init-tokens op run by hand: the chief's start, no watchdog.
 
-        `ChiefRunner.start()` (TF1's queue runner, started next) then adds
-        the watchdog; no dispatch seeds tokens again.
+        TF1's chief ran it once, at session start. Here it enqueues `num`
+        tokens only if nothing started the round yet: after the coordinator
+        (its first dispatch), a hook or an earlier call, the round already
+        has its initial tokens, and more would cost every worker one more
+        wasted step; such a call adds nothing and logs why. `ChiefRunner.
+        start()` (TF1's queue runner) adds the watchdog; no dispatch seeds
+        tokens again.
         """
+        if self.started:
+            logging.warning(
+                "SyncReplicasOptimizer: the init-tokens op was called after "
+                "the round started (%s): it enqueued nothing (TF1's chief "
+                "ran it once; another %d tokens would waste a step).",
+                _describe_claim(self._claimed_by),
+                num,
+            )
+            return
         if num > 0:
             self.aggregator.seed_tokens(num)
         self.started = True
@@ -437,3 +481,12 @@ class PushFirstStep:
             self.watchdog = watchdog.TokenWatchdog(
                 self, timeout, drain_timeout=DRAIN_TIMEOUT
             )
+
+
+def _describe_claim(claimed_by):
+    """Who started the round, for the log: the coordinator, TF1's
+    init-tokens op, or a hook."""
+    for who in (_AUTO, _MANUAL):
+        if who in claimed_by:
+            return who
+    return "started by a hook's after_create_session()"

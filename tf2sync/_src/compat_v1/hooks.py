@@ -8,6 +8,8 @@ what TF1's did at the same moments.
 
 from __future__ import annotations
 
+import tensorflow as tf
+
 
 class ChiefRunner:
     """TF2's counterpart of TF1's chief `QueueRunner`.
@@ -30,12 +32,13 @@ class ChiefRunner:
         return self._protocol.started
 
     def start(self):
-        """Starts the watchdog; first the chief's side, if nothing did.
+        """Starts the token watchdog; enqueues no tokens.
 
-        After TF1's `get_init_tokens_op()()` (the chief's tokens), only the
-        watchdog starts; otherwise TF1's default tokens are enqueued first.
+        TF1's queue runner enqueued none before its first round: the
+        initial tokens are the init-tokens op's (`get_init_tokens_op()()`,
+        before or after this call), else the coordinator's, which seeds
+        TF1's default count before the first dispatch if nothing did.
         """
-        self._protocol.before_dispatch()
         self._protocol.start_watchdog()
         return self
 
@@ -103,6 +106,67 @@ class InitTokens:
         self._protocol = protocol
         self.num_tokens = num_tokens
 
+    @property
+    def dtype(self):
+        """The tokens' dtype: the global step's, as TF1's op enqueued."""
+        return self._protocol.token_dtype()
+
     def __call__(self):
-        """Enqueues the tokens: the chief's start, as TF1's op was."""
+        """Enqueues the tokens: the chief's start, as TF1's op was.
+
+        Once per start of the round, as TF1's chief ran it: a call after
+        the round started (by the coordinator, a hook or an earlier call)
+        enqueues nothing and logs it.
+        """
         self._protocol.init_tokens(self.num_tokens)
+
+
+class TokenQueue:
+    """TF1's `_sync_token_queue`, typed as TF1's: the global step's dtype.
+
+    The core barrier's queue (shared with `tf2sync.SyncOptimizer`'s order,
+    whose negative retire token and given-back tokens are int64) holds
+    int64 tokens; this view of it gives and takes the global step's dtype,
+    as TF1's queue did (int32 tokens for an int32 global step).
+    """
+
+    def __init__(self, queue, dtype):
+        self._queue = queue
+        self.dtypes = [dtype]
+
+    @property
+    def dtype(self):
+        """The tokens' dtype (TF1's queue had one component)."""
+        return self.dtypes[0]
+
+    @property
+    def shapes(self):
+        return self._queue.shapes
+
+    @property
+    def name(self):
+        return self._queue.name
+
+    def size(self, name=None):
+        """The tokens in the queue now."""
+        return self._queue.size(name=name)
+
+    def dequeue(self, name=None):
+        """Takes one token (blocks until there is one)."""
+        return self._cast(self._queue.dequeue(name=name), self.dtype)
+
+    def dequeue_many(self, n, name=None):
+        """Takes `n` tokens (blocks until there are `n`)."""
+        return self._cast(self._queue.dequeue_many(n, name=name), self.dtype)
+
+    def enqueue(self, vals, name=None):
+        """Adds one token carrying `vals`."""
+        return self._queue.enqueue(self._cast(vals, tf.int64), name=name)
+
+    def enqueue_many(self, vals, name=None):
+        """Adds one token per element of `vals`."""
+        return self._queue.enqueue_many(self._cast(vals, tf.int64), name=name)
+
+    @staticmethod
+    def _cast(value, dtype):
+        return tf.nest.map_structure(lambda v: tf.cast(v, dtype), value)

@@ -26,6 +26,17 @@ from tf2sync._src.compat_v1 import inner
 
 _KERAS = keras_compat.KERAS_OPTIMIZERS
 
+# TF1's messages, word for word, then what to do in TF2.
+TF1_NOT_APPLIED = "Should be called after apply_gradients()."
+TF1_TOKENS_NOT_APPLIED = (
+    "get_init_tokens_op() should be called after apply_gradients()."
+)
+_CALLED_TOO_EARLY = (
+    "{} In TF2, trace the step first (`step.get_concrete_function(...)`, "
+    "whose strategy.run calls apply_gradients), or drop the call: the "
+    "coordinator starts the round before the first scheduled step."
+)
+
 
 class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
     """TF1's `SyncReplicasOptimizer` for TF2 ParameterServerStrategy.
@@ -214,10 +225,12 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
 
     @property
     def local_steps(self):
-        """The int64 vector of every worker's local step (on the step's ps).
+        """The vector of every worker's local step (on the step's ps).
 
-        Shared by every shim optimizer of the same round; None before the
-        first `apply_gradients`.
+        Indexed by the worker that runs the step (decided when it runs),
+        in the global step's dtype (TF1's local step's). Shared by every
+        shim optimizer of the same round; None before the first
+        `apply_gradients`.
         """
         return self._protocol.local_steps if self._protocol else None
 
@@ -228,9 +241,9 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
 
     @property
     def _sync_token_queue(self):
-        # TF1's attribute: the token queue (the core barrier's).
-        aggregator = self._protocol.aggregator if self._protocol else None
-        return None if aggregator is None else aggregator.token_queue
+        # TF1's attribute: the token queue (the core barrier's, int64),
+        # seen in the global step's dtype as TF1's was.
+        return self._protocol.token_queue() if self._protocol else None
 
     @property
     def _accumulator_list(self):
@@ -326,7 +339,7 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
     def get_chief_queue_runner(self):
         """The `ChiefRunner` (start()/stop()) of the chief's side."""
         if not self._gradients_applied:
-            raise ValueError("Should be called after apply_gradients().")
+            raise ValueError(_CALLED_TOO_EARLY.format(TF1_NOT_APPLIED))
         return hooks.ChiefRunner(self._protocol)
 
     def get_init_tokens_op(self, num_tokens=-1):
@@ -342,9 +355,7 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
           ValueError: Before `apply_gradients`, or with too few tokens.
         """
         if not self._gradients_applied:
-            raise ValueError(
-                "get_init_tokens_op() should be called after apply_gradients()."
-            )
+            raise ValueError(_CALLED_TOO_EARLY.format(TF1_TOKENS_NOT_APPLIED))
         tokens_needed = self._replicas_to_aggregate - self._total_num_replicas
         if num_tokens == -1:
             num_tokens = self._replicas_to_aggregate
