@@ -275,6 +275,16 @@ class SpellingTest(absltest.TestCase):
         source = _NOT_FOUND + "tf.train.Server(cluster)\n"
         last = len(source.splitlines())
         self.assertEqual(_found(source), {(last, "Server")})
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "one.py")
+            with open(path, "w") as f:
+                f.write(source)
+            code, out, _ = _run(path)
+        self.assertEqual(code, 0)
+        self.assertEqual(
+            out.splitlines()[-1],
+            "python -m tf2sync.migrate: 1 construct in 1 file: Server 1",
+        )
 
     def test_weak_flags_alone_are_not_distributed(self):
         source = (

@@ -65,7 +65,8 @@ def summary(findings: list[finder.Finding], files: int) -> str:
     parts = ", ".join(
         f"{c.name} {counts[c.name]}" for c in table.CONSTRUCTS if counts[c.name]
     )
-    return f"{PROG}: {len(findings)} constructs in {where}: {parts}"
+    plural = "s" if len(findings) != 1 else ""
+    return f"{PROG}: {len(findings)} construct{plural} in {where}: {parts}"
 
 
 def main(argv: list[str] | None = None, out=None, err=None) -> int:
