@@ -358,13 +358,23 @@ def scenario_accuracy(bench, workers=2):
 SHARDS = 2  # the sharding scenario's shards and ps tasks
 # The sharding scenario's timed cells, (system, workload kind, ps tasks).
 SHARDING_CELLS = (
-    ("tf2sync_fit", "w4", SHARDS),
-    ("tf2sync_loop", "w4", SHARDS),
-    ("pss_async", "w4", SHARDS),
-    ("pss_async_unrolled", "w4", SHARDS),
-    ("tf1_sync", "w4", SHARDS),
-    ("tf2sync_loop", "w3", SHARDS),
-    ("tf2sync_loop", "w3", 1),
+    # (system, workload, ps tasks, shards per variable)
+    ("tf2sync_fit", "w4", SHARDS, SHARDS),
+    ("tf2sync_loop", "w4", SHARDS, SHARDS),
+    ("pss_async", "w4", SHARDS, SHARDS),
+    ("pss_async_unrolled", "w4", SHARDS, SHARDS),
+    ("tf1_sync", "w4", SHARDS, SHARDS),
+    # w3 sharded on 2 ps and whole on 1, tf2sync and stock PSS: each
+    # system's own 2-ps / 1-ps ratio.
+    ("tf2sync_loop", "w3", SHARDS, SHARDS),
+    ("pss_async_unrolled", "w3", SHARDS, SHARDS),
+    ("tf2sync_loop", "w3", 1, 1),
+    ("pss_async_unrolled", "w3", 1, 1),
+    # No partitioner: whole variables placed round robin over 2 ps.
+    ("tf2sync_loop", "w3", SHARDS, 1),
+    ("pss_async_unrolled", "w3", SHARDS, 1),
+    ("tf2sync_loop", "w1", SHARDS, 1),
+    ("pss_async_unrolled", "w1", SHARDS, 1),
 )
 # Its memory cells, on a fresh cluster of subprocess tasks, in the order set
 # up: first a small model, the fixed cost of a system on a ps.
@@ -377,19 +387,19 @@ SHARDING_MEMORY_CELLS = (
 )
 
 
-def _sharding_cell(s, system, kind, ps):
+def _sharding_cell(s, system, kind, ps, shards):
     """(endpoint name, setup args, record fields) of a sharding cell."""
-    name = f"{system}_{kind}_{ps}ps"
+    name = f"{system}_{kind}_{ps}ps" + ("_rr" if shards < ps else "")
     args = {"system": system, "workload": s.sharding_workload, "k": s.k}
     if kind != "w4":
         args["workload"] = kind
-    if ps > 1:
-        args["shards"] = ps
+    if shards > 1:
+        args["shards"] = shards
     fields = {
         "config": system,
         "workload": kind,
         "ps": ps,
-        "shards": ps,
+        "shards": shards,
         "rows": _ROWS.get(kind, s.sharding_rows),
     }
     return name, args, fields
@@ -430,8 +440,8 @@ def scenario_sharding(bench, workers=2):
         name="sharding_tf1_sync",
     )
     endpoints, extra = [], {}
-    for system, kind, ps in SHARDING_CELLS:
-        name, args, extra[name] = _sharding_cell(s, system, kind, ps)
+    for system, kind, ps, shards in SHARDING_CELLS:
+        name, args, extra[name] = _sharding_cell(s, system, kind, ps, shards)
         if system == "tf1_sync":
             endpoint = Endpoint(name, "tf1", [tf1], {"steps": 2 * s.k}, workers)
         else:
@@ -454,7 +464,9 @@ def _sharding_memory(bench, base, workers):
     ps_pids = [t.pid for t in tasks[:SHARDS]]
     endpoints, extra = [], {}
     for system, kind in SHARDING_MEMORY_CELLS:
-        name, args, extra[name] = _sharding_cell(s, system, kind, SHARDS)
+        name, args, extra[name] = _sharding_cell(
+            s, system, kind, SHARDS, SHARDS
+        )
         endpoints.append(Endpoint(name, "pss", [chief], args, workers))
     memory = {**base, "memory_cluster": True}
     try:

@@ -643,11 +643,17 @@ SHARD_STATE_FACTOR = 1.25  # a ps's state <= this x its shards' bytes + fixed
 
 
 def sharding_rates(records, field="examples_per_sec"):
-    """{(workload, config, ps tasks): [`field` of each timed run]}."""
+    """{(workload, config, ps tasks, shards): [`field` of each timed run]}
+    (shards 1 on several ps: whole variables placed round robin)."""
     found = {}
     for r in runs(records, "sharding"):
         if r.get(field) is not None:
-            key = (r["workload"], r["config"], r["ps"])
+            key = (
+                r["workload"],
+                r["config"],
+                r["ps"],
+                r.get("shards", r["ps"]),
+            )
             found.setdefault(key, []).append(r[field])
     return found
 
@@ -715,8 +721,8 @@ def sharding_section(records) -> list[str]:
         None,
     )
 
-    def mid(config, workload="w4", ps=2):
-        return median(found.get((workload, config, ps)))
+    def mid(config, workload="w4", ps=2, shards=None):
+        return median(found.get((workload, config, ps, shards or ps)))
 
     lines = [
         f"w4: Embedding {fmt(rows_w4, ',')} x 32 over 20 ids per example, "
@@ -740,7 +746,7 @@ def sharding_section(records) -> list[str]:
     )
     rows = []
     for config in SHARDING_SYSTEMS:
-        values = found.get(("w4", config, 2))
+        values = found.get(("w4", config, 2, 2))
         if not values:
             continue
         m = median(values)
@@ -753,7 +759,7 @@ def sharding_section(records) -> list[str]:
                 fmt(ratio(m, tf1), ".2f"),
                 fmt(ratio(m, unrolled), ".2f"),
                 fmt(ratio(m, stock), ".2f"),
-                fmt(median(cpu.get(("w4", config, 2))), ".1f"),
+                fmt(median(cpu.get(("w4", config, 2, 2))), ".1f"),
             ]
         )
     for r in failed:
@@ -763,36 +769,70 @@ def sharding_section(records) -> list[str]:
     lines += ["### w4 throughput (2 workers + 2 ps)", ""]
     lines += table(header, rows) + [""]
 
-    one = mid("tf2sync_loop", "w3", 1)
     rows = []
-    for ps in (1, 2):
-        values = found.get(("w3", "tf2sync_loop", ps))
-        if not values:
-            continue
-        m = median(values)
-        rows.append(
-            [
-                ps,
-                "none" if ps == 1 else f"{ps} shards",
-                fmt(m),
-                f"{min(values):,.0f} - {max(values):,.0f}",
-                len(values),
-                fmt(ratio(m, one), ".2f"),
-                fmt(median(cpu.get(("w3", "tf2sync_loop", ps))), ".1f"),
-            ]
-        )
+    for config in ("tf2sync_loop", "pss_async_unrolled"):
+        one = mid(config, "w3", 1)
+        for ps in (1, 2):
+            values = found.get(("w3", config, ps, ps))
+            if not values:
+                continue
+            m = median(values)
+            rows.append(
+                [
+                    f"`{config}`",
+                    ps,
+                    "none" if ps == 1 else f"{ps} shards",
+                    fmt(m),
+                    f"{min(values):,.0f} - {max(values):,.0f}",
+                    len(values),
+                    fmt(ratio(m, one), ".2f"),
+                    fmt(median(cpu.get(("w3", config, ps, ps))), ".1f"),
+                ]
+            )
     if rows:
         lines += [
-            "### w3 on 2 ps against 1 ps (tf2sync_loop)",
+            "### w3 on 2 ps against 1 ps",
             "",
             "w3 (embedding 100,000 x 32) in 2 shards on the 2-ps cluster "
             "above (every variable of rank >= 1 in 2 shards), and "
             "unpartitioned on an in-process cluster of 1 ps and 2 workers, "
-            "in the same rounds.",
+            "in the same rounds. On 2 shared cores a second ps adds no "
+            "compute: each system's 2-ps / 1-ps ratio is what spreading "
+            "over ps costs it.",
             "",
         ]
-        header = ["ps", "partitioned", "median ex/s", "min - max", "runs"]
-        header += ["vs 1 ps", "CPU us / ex"]
+        header = ["system", "ps", "partitioned", "median ex/s", "min - max"]
+        header += ["runs", "vs 1 ps", "CPU us / ex"]
+        lines += table(header, rows) + [""]
+    rows = []
+    for workload in ("w1", "w3"):
+        stock = mid("pss_async_unrolled", workload, 2, 1)
+        for config in ("tf2sync_loop", "pss_async_unrolled"):
+            values = found.get((workload, config, 2, 1))
+            if not values:
+                continue
+            m = median(values)
+            rows.append(
+                [
+                    workload,
+                    f"`{config}`",
+                    fmt(m),
+                    f"{min(values):,.0f} - {max(values):,.0f}",
+                    len(values),
+                    fmt(ratio(m, stock), ".2f"),
+                    fmt(median(cpu.get((workload, config, 2, 1))), ".1f"),
+                ]
+            )
+    if rows:
+        lines += [
+            "### Whole variables round robin over 2 ps",
+            "",
+            "No partitioner: each variable whole on one of the 2 ps of the "
+            "cluster above, placed round robin as PSS places them.",
+            "",
+        ]
+        header = ["workload", "system", "median ex/s", "min - max", "runs"]
+        header += ["vs pss_async_unrolled", "CPU us / ex"]
         lines += table(header, rows) + [""]
 
     memory = sharding_memory(records)

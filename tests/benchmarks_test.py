@@ -187,9 +187,9 @@ class HarnessSmokeTest(absltest.TestCase):
             if r.get("scenario") == "sharding" and "examples_per_sec" in r
         ]
         self.assertCountEqual(
-            {(r["workload"], r["config"], r["ps"]) for r in runs},
+            {(r["workload"], r["config"], r["ps"], r["shards"]) for r in runs},
             [
-                ("w4", system, 2)
+                ("w4", system, 2, 2)
                 for system in (
                     "tf2sync_fit",
                     "tf2sync_loop",
@@ -198,7 +198,16 @@ class HarnessSmokeTest(absltest.TestCase):
                     "tf1_sync",
                 )
             ]
-            + [("w3", "tf2sync_loop", 2), ("w3", "tf2sync_loop", 1)],
+            + [
+                (workload, system, ps, shards)
+                for system in ("tf2sync_loop", "pss_async_unrolled")
+                for workload, ps, shards in (
+                    ("w3", 2, 2),  # sharded
+                    ("w3", 1, 1),
+                    ("w3", 2, 1),  # round robin
+                    ("w1", 2, 1),
+                )
+            ],
         )
         for r in runs:
             self.assertGreater(r["examples"], 0, r)
@@ -242,7 +251,14 @@ class HarnessSmokeTest(absltest.TestCase):
             "| w4 (2 shards, 2 ps) tf2sync_loop / tf1_sync |", markdown
         )
         self.assertIn(
-            "| w3 tf2sync_loop, 2 shards on 2 ps / on 1 ps |", markdown
+            "| w3 2 shards on 2 ps / on 1 ps: tf2sync_loop's ratio / "
+            "pss_async_unrolled's |",
+            markdown,
+        )
+        self.assertIn("### Whole variables round robin over 2 ps", markdown)
+        self.assertIn(
+            "| w1 round robin on 2 ps: tf2sync_loop / pss_async_unrolled |",
+            markdown,
         )
         self.assertRegex(
             markdown, r"\| ps memory, w4: tf2sync_fit state on ps 1 \(MB\) \| "
@@ -684,13 +700,14 @@ class ReportTest(absltest.TestCase):
     def test_sharding_targets_come_only_with_the_sharding_scenario(self):
         report = benchutil.load("report")
 
-        def run(workload, config, rate, ps=2):
+        def run(workload, config, rate, ps=2, shards=None):
             return {
                 "scenario": "sharding",
                 "workload": workload,
                 "config": config,
                 "system": f"{config}_{workload}_{ps}ps",
                 "ps": ps,
+                "shards": shards or ps,
                 "examples_per_sec": rate,
             }
 
@@ -720,6 +737,14 @@ class ReportTest(absltest.TestCase):
             run("w4", "pss_async_unrolled", 110.0),
             run("w3", "tf2sync_loop", 90.0, ps=2),
             run("w3", "tf2sync_loop", 100.0, ps=1),
+            # stock's own 2-ps / 1-ps: 0.8; tf2sync's 0.9 / 0.8 = 1.125.
+            run("w3", "pss_async_unrolled", 80.0, ps=2),
+            run("w3", "pss_async_unrolled", 100.0, ps=1),
+            # round robin: w1 0.84 (MISS), w3 0.85 (PASS, the bar itself).
+            run("w1", "tf2sync_loop", 84.0, shards=1),
+            run("w1", "pss_async_unrolled", 100.0, shards=1),
+            run("w3", "tf2sync_loop", 85.0, shards=1),
+            run("w3", "pss_async_unrolled", 100.0, shards=1),
             memory("w1", "tf2sync_loop", [10.0, 12.0], 0.01),
             # ps 0: 1.25 x 256 + 10 = 330 exactly: PASS; ps 1: 343 > 332.
             memory("w4", "tf2sync_loop", [330.0, 343.0], 256.0),
@@ -749,7 +774,19 @@ class ReportTest(absltest.TestCase):
         ps1 = "ps memory, w4: tf2sync_loop state on ps 1 (MB)"
         self.assertEqual(got(ps1), ("343.0", "MISS"))
         self.assertEqual(
-            got("w3 tf2sync_loop, 2 shards on 2 ps / on 1 ps"), ("0.90", "MISS")
+            got(
+                "w3 2 shards on 2 ps / on 1 ps: tf2sync_loop's ratio / "
+                "pss_async_unrolled's"
+            ),
+            ("1.12", "PASS"),
+        )
+        self.assertEqual(
+            got("w1 round robin on 2 ps: tf2sync_loop / pss_async_unrolled"),
+            ("0.84", "MISS"),
+        )
+        self.assertEqual(
+            got("w3 round robin on 2 ps: tf2sync_loop / pss_async_unrolled"),
+            ("0.85", "PASS"),
         )
         section = "\n".join(report.sections.sharding_section(records))
         self.assertIn(
