@@ -1,0 +1,126 @@
+"""The push's side of the scale-out protocol (stage, commit, apply).
+
+`SealedMixin` is part of `aggregation.Aggregator`: with variables on
+several ps, a push stages its shares (`_stage`) before its commit, and the
+push that sealed a step applies it on every ps and ends it
+(`_apply_sealed`); `recover` ends a step whose sealer died. See
+`sync.scale_out` for the protocol and its guarantees.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf2sync._src import step_context
+from tf2sync._src.sync import local_apply
+from tf2sync._src.sync import scale_out as scale_out_lib
+
+
+class SealedMixin:
+    """Scale-out pushes of `aggregation.Aggregator`."""
+
+    def _stage(self, inputs, check_finite):
+        """Scale-out: stages the shares of the other ps (`sync.staging`);
+        returns the commit's inputs (this ps's share, the push id and the
+        stages' acknowledgement)."""
+        push_id = scale_out_lib.ScaleOut.new_push_id()
+        ack = self._scale_out.stage(push_id, inputs, check_finite)
+        layout = self._layout
+        with tf.device(self.device):
+            push_id = tf.identity(push_id)
+        return {
+            **inputs,
+            "packed": [
+                p if g.buffer is not None else None
+                for p, g in zip(inputs["packed"], layout.dense)
+            ],
+            "sparse": [
+                p if slot.queue is not None else None
+                for p, slot in zip(inputs["sparse"], layout.sparse)
+            ],
+            "id": push_id,
+            "ack": ack,
+        }
+
+    def _apply_sealed(self, committed, stats):
+        """Scale-out: the push that sealed a step applies it on the other
+        ps, then ends it on this one (`sync.scale_out`). Returns
+        `(applied, stats)` as `push`."""
+        seal, admitted, count, read = committed
+        scale_out = self._scale_out
+
+        def apply():
+            staged = scale_out.apply_staged(
+                admitted, count, seal, self._sparse_mean
+            )
+            with tf.control_dependencies([staged]):
+                return self._finalizer(stats)(seal, admitted, count)
+
+        # Decided where the seal is: the dead branches of the pushes that
+        # did not seal cost no round trip through the worker.
+        with tf.device(self.device):
+            return tf.cond(seal > 0, apply, lambda: (tf.constant(False), read))
+
+    def _finalizer(self, stats):
+        """The finalize as one function of this ps where it can be (it
+        holds nothing of another ps: no EMA or group optimizer there)."""
+        if stats not in self._finalizers:
+            self._finalizers[stats] = local_apply.LocalApply(
+                self.device,
+                lambda seal, admitted, count: self._cs.execute(
+                    lambda: self._finalize(seal, admitted, count, stats),
+                    # The other ps' sections read the step too: the seal
+                    # orders them before this.
+                    exclusive_resource_access=False,
+                ),
+                self.optimizer_variables,
+            )
+        return self._finalizers[stats]
+
+    def _finalize(self, seal, admitted, count, stats):
+        """Scale-out, in the critical section: ends the step sealed as
+        `seal` (see `ScaleOut.finalize`); returns `(ended, stats)`."""
+        ended = self._scale_out.finalize(
+            seal,
+            admitted,
+            count,
+            self._sparse_mean,
+            lambda: self._end_step(self._increment(), False),
+        )
+        if not stats:
+            return ended, tf.zeros([0], tf.float64)
+        return ended, self._stats_after(ended)
+
+    def _increment(self):
+        with step_context.sync_apply_scope():
+            return self._increment_fn(self._scale_out.all_variables)
+
+    def recover(self) -> bool:
+        """Applies and ends a step sealed but not ended (eagerly).
+
+        Scale-out only: the push that sealed a step may die before it
+        applied it on every ps. Safe while that push still runs: each ps
+        applies a seal once, and the step ends once. Returns whether a
+        sealed step was found.
+        """
+        scale_out = self._scale_out
+        if scale_out is None:
+            return False
+        with tf.init_scope():
+            seal = int(scale_out.sealed.numpy())
+            if not seal:
+                return False
+
+            def run():
+                return self._apply_sealed(
+                    (
+                        tf.constant(seal, tf.int64),
+                        scale_out.admitted.read_value(),
+                        self.count.read_value(),
+                        tf.zeros([0], tf.float64),
+                    ),
+                    stats=False,
+                )
+
+            tf.function(run, autograph=False)()
+            return True
