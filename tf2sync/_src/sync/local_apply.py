@@ -15,6 +15,7 @@ caller's graph, as before.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import tensorflow as tf
 
@@ -59,12 +60,22 @@ def _is_eager(tensor):
 
 @contextlib.contextmanager
 def reads_as(variables, values):
-    """Within the block, a read of `variables[i]` traces as `values[i]`."""
+    """Within the block, a read of `variables[i]` traced by this thread
+    traces as `values[i]`. Other threads (the token watchdog reads the
+    global step eagerly) read the variable as usual meanwhile."""
     patched = []
+    owner = threading.get_ident()
     try:
         for variable, value in zip(variables, values):
             inner = getattr(variable, "_v", variable)  # PSS's caching wrapper
-            inner._read_variable_op = lambda *_, value=value, **__: value
+            original = inner._read_variable_op
+
+            def read(*args, value=value, original=original, **kwargs):
+                if threading.get_ident() == owner and tf.inside_function():
+                    return value
+                return original(*args, **kwargs)
+
+            inner._read_variable_op = read
             patched.append(inner)
         yield
     finally:
