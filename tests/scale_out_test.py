@@ -151,6 +151,38 @@ class ExactnessTest(parameterized.TestCase):
         )
 
 
+class FitTest(parameterized.TestCase):
+    @parameterized.named_parameters(
+        ("repeated", 4, True),
+        ("while_loop_of_groups", 2, True),
+        ("keras_loop", None, False),
+    )
+    def test_fit_over_three_ps_equals_one_process(self, group, repeated):
+        # The same batch on both workers: each update is that batch's
+        # gradient, whichever pushes it admits.
+        options = (
+            tf2sync.SyncOptions(max_unrolled_steps=group) if group else None
+        )
+        sync = strategy(options=options)
+        with sync.scope():
+            model = two_tables_model()
+            opt = tf2sync.SyncOptimizer(OPTIMIZERS["adam_schedule"]())
+            model.compile(
+                optimizer=opt, loss=testutil.LOSS, steps_per_execution=8
+            )
+            if not repeated:
+                tf2sync.unroll_fit_steps(model, False)
+        x, y = testutil.data("sparse", 16, seed=7)
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        model.fit(ds, epochs=2, steps_per_epoch=8, verbose=0)
+        self.assertIsNotNone(opt._aggregator._scale_out)
+        self.assertEqual(int(opt.iterations.numpy()), 8)
+        expected = reference("two_tables", "adam_schedule", [(x, y)] * 8)
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), expected), 2e-5
+        )
+
+
 def _commit_only(self, committed, stats):
     """`Aggregator._apply_sealed` of a sealer that dies right after its
     commit: nothing is applied on the other ps, nothing ends the step."""
