@@ -474,7 +474,7 @@ class LaunchTest(parameterized.TestCase):
 class Tf1ShimFlagTest(absltest.TestCase):
     """`--sync_optimizer=tf1_shim` refuses what the shim cannot train."""
 
-    def test_groups_wrap_a_multi_optimizer_and_mixed_precision_is_refused(
+    def test_groups_and_a_jobs_optimizer_are_wrapped_mixed_precision_refused(
         self,
     ):
         import fault_job
@@ -490,10 +490,14 @@ class Tf1ShimFlagTest(absltest.TestCase):
         self.assertIsInstance(inner, tf2sync.MultiOptimizer)
         rates = [round(float(o.learning_rate), 6) for o in inner.optimizers]
         self.assertEqual(rates, [0.01, 0.1, 0.2])
-        with self.assertRaisesRegex(
-            ValueError, "defines build_optimizer\\(\\)"
-        ):
-            chief.sync_optimizer(clicks, shim, 2, 2)
+        # A job's own optimizer is the shim's inner one (Adagrad here).
+        with contextlib.redirect_stdout(io.StringIO()):
+            optimizer = chief.sync_optimizer(clicks, shim, 2, 2)
+        self.assertIsInstance(
+            optimizer, tf2sync.compat.v1.SyncReplicasOptimizer
+        )
+        self.assertEqual(type(optimizer._opt).__name__, "Adagrad")
+        self.assertEqual(optimizer._replicas_to_aggregate, 2)
         mixed = chief.ChiefConfig(
             sync_optimizer="tf1_shim", mixed_precision="mixed_float16"
         )

@@ -106,17 +106,24 @@ def _groups_optimizer(job, config: ChiefConfig, optimizer_of_rate):
 def sync_optimizer(job, config: ChiefConfig, rta: int, total: int):
     """The optimizer to compile with, as `config.sync_optimizer` says.
 
+    The TF1 shim wraps the job's `build_optimizer()` if it has one, else a
+    `tf2sync.MultiOptimizer` of momentum SGDs for its variable groups, else
+    TF1's `MomentumOptimizer`.
+
     Raises:
-      ValueError: If the TF1 shim is asked for with a job's own optimizer
-        or a mixed precision policy, which it does not support. With
-        variable groups it wraps a `tf2sync.MultiOptimizer`.
+      ValueError: If the TF1 shim is asked for with a mixed precision
+        policy, which it does not support.
     """
     import tf2sync
 
     check_sync_optimizer(job, config)
     if config.sync_optimizer == "tf2sync":
         return tf2sync.SyncOptimizer(inner_optimizer(job, config))
-    if hasattr(job, "optimizer_groups"):
+    if hasattr(job, "build_optimizer"):
+        # The job's own: a TF1 optimizer (examples/tf1_port/job.py's Adam)
+        # or a tf_keras one, both of which the shim takes as `inner`.
+        inner = inner_optimizer(job, config)
+    elif hasattr(job, "optimizer_groups"):
         # TF1's momentum per group: tf_keras's legacy momentum SGD makes
         # the same updates at a constant rate, and MultiOptimizer takes
         # tf_keras optimizers only.
@@ -138,14 +145,9 @@ def sync_optimizer(job, config: ChiefConfig, rta: int, total: int):
 
 def check_sync_optimizer(job, config: ChiefConfig) -> None:
     """Raises `ValueError` if `config.sync_optimizer` cannot train `job`."""
+    del job  # the shim takes any optimizer a job builds
     if config.sync_optimizer != "tf1_shim":
         return
-    if hasattr(job, "build_optimizer"):
-        raise ValueError(
-            "--sync_optimizer=tf1_shim trains with TF1's MomentumOptimizer, "
-            f"but the job {job.__name__} defines build_optimizer(): use "
-            "--sync_optimizer=tf2sync."
-        )
     if config.mixed_precision != "float32":
         raise ValueError(
             "--sync_optimizer=tf1_shim supports float32 only. Received: "

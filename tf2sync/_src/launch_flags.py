@@ -144,10 +144,11 @@ SYNC_OPTIMIZER = flags.DEFINE_enum(
     "tf2sync",
     ["tf2sync", "tf1_shim"],
     "tf2sync: tf2sync.SyncOptimizer (per-step barrier, packed pushes). "
-    "tf1_shim: tf2sync.compat.v1.SyncReplicasOptimizer around TF1's "
-    "MomentumOptimizer (a MultiOptimizer of momentum SGDs for a job's "
-    "optimizer_groups()), with TF1's token and global-step behaviour "
-    "(float32; not for a job with its own build_optimizer()).",
+    "tf1_shim: tf2sync.compat.v1.SyncReplicasOptimizer around the job's "
+    "build_optimizer() if it has one (examples/tf1_port/job.py: TF1's "
+    "Adam), else TF1's MomentumOptimizer (a MultiOptimizer of momentum "
+    "SGDs for a job's optimizer_groups()), with TF1's token and "
+    "global-step behaviour (float32).",
 )
 TOKEN_TIMEOUT = flags.DEFINE_float(
     "token_timeout",
