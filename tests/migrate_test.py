@@ -457,6 +457,19 @@ class DocTest(absltest.TestCase):
     def test_doc_shows_the_command(self):
         self.assertIn("python -m tf2sync.migrate", self.doc)
 
+    def test_doc_quotes_what_the_tool_prints_for_mnist_replica(self):
+        # The walk-through's output block, run from the repository's root.
+        command = (
+            "$ python -m tf2sync.migrate "
+            + "tests/testdata/migrate/mnist_replica.py"
+        )
+        block = re.search(re.escape(command) + r"\n(.*?)\n```", self.doc, re.S)
+        self.assertIsNotNone(block, command)
+        out = io.StringIO()
+        self.assertEqual(cli.main([_path("mnist_replica.py")], out=out), 0)
+        printed = out.getvalue().replace(_ROOT + os.sep, "")
+        self.assertEqual(block.group(1), printed.rstrip("\n"))
+
 
 if __name__ == "__main__":
     absltest.main()
