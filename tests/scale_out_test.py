@@ -28,20 +28,7 @@ from tf2sync._src import watchdog
 NUM_WORKERS, NUM_PS = 2, 3
 
 
-def two_tables_model(seed=0):
-    """Two tables and two dense layers: five variables over three ps."""
-    tf.keras.utils.set_random_seed(seed)
-    ids = tf.keras.Input((5,), dtype="int64")
-    a = tf.keras.layers.Embedding(50, 4, name="table_a")(ids)
-    b = tf.keras.layers.Embedding(31, 3, name="table_b")(ids % 31)
-    pooled = tf.keras.layers.Concatenate()(
-        [
-            tf.keras.layers.GlobalAveragePooling1D()(a),
-            tf.keras.layers.GlobalAveragePooling1D()(b),
-        ]
-    )
-    hidden = tf.keras.layers.Dense(6, activation="relu")(pooled)
-    return tf.keras.Model(ids, tf.keras.layers.Dense(3)(hidden))
+two_tables_model = testutil.two_tables_model
 
 
 MODELS = {
@@ -70,14 +57,7 @@ def strategy(replicas_to_aggregate=2, **kwargs):
 
 def reference(kind, opt_name, batches):
     """One process, one step per global batch."""
-    model = MODELS[kind]()
-    opt = OPTIMIZERS[opt_name]()
-    for x, y in batches:
-        with tf.GradientTape() as tape:
-            loss = testutil.mean_loss(y, model(x))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-    return model.get_weights()
+    return testutil.one_process(MODELS[kind], OPTIMIZERS[opt_name], batches)
 
 
 def halves(x, y):

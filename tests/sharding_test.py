@@ -61,19 +61,7 @@ def strategy(shards, replicas_to_aggregate=2, **kwargs):
 
 
 def two_tables_model(seed=0, vocab_a=VOCAB_A):
-    """Two embedding tables (two sparse gradients) and a dense head."""
-    tf.keras.utils.set_random_seed(seed)
-    ids = tf.keras.Input((5,), dtype="int64")
-    a = tf.keras.layers.Embedding(vocab_a, 4, name="table_a")(ids)
-    b = tf.keras.layers.Embedding(VOCAB_B, 3, name="table_b")(ids % VOCAB_B)
-    pooled = tf.keras.layers.Concatenate()(
-        [
-            tf.keras.layers.GlobalAveragePooling1D()(a),
-            tf.keras.layers.GlobalAveragePooling1D()(b),
-        ]
-    )
-    hidden = tf.keras.layers.Dense(6, activation="relu")(pooled)
-    return tf.keras.Model(ids, tf.keras.layers.Dense(3)(hidden))
+    return testutil.two_tables_model(seed, vocab_a, VOCAB_B)
 
 
 MODELS = {
@@ -99,15 +87,7 @@ def shard_counts(model):
 
 def reference(kind, opt_fn, batches, initial):
     """One process, one step per global batch, from `initial` weights."""
-    model = MODELS[kind]()
-    model.set_weights(initial)
-    opt = opt_fn()
-    for x, y in batches:
-        with tf.GradientTape() as tape:
-            loss = testutil.mean_loss(y, model(x))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-    return model.get_weights()
+    return testutil.one_process(MODELS[kind], opt_fn, batches, initial)
 
 
 def split(x, y, rounds, batch):

@@ -28,16 +28,7 @@ OPTIMIZERS = {
 }
 
 
-def _reference(model_fn, opt_fn, batches):
-    """Single-process training, one step per batch."""
-    model = model_fn()
-    opt = opt_fn()
-    for x, y in batches:
-        with tf.GradientTape() as tape:
-            loss = testutil.mean_loss(y, model(x))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-    return model.get_weights()
+_reference = testutil.one_process
 
 
 class EquivalenceTest(parameterized.TestCase):

@@ -64,6 +64,37 @@ def sparse_model(seed=0, vocab=50):
     )
 
 
+def two_tables_model(seed=0, vocab_a=50, vocab_b=31):
+    """Two embedding tables (two sparse gradients) and a dense head."""
+    tf.keras.utils.set_random_seed(seed)
+    ids = tf.keras.Input((5,), dtype="int64")
+    a = tf.keras.layers.Embedding(vocab_a, 4, name="table_a")(ids)
+    b = tf.keras.layers.Embedding(vocab_b, 3, name="table_b")(ids % vocab_b)
+    pooled = tf.keras.layers.Concatenate()(
+        [
+            tf.keras.layers.GlobalAveragePooling1D()(a),
+            tf.keras.layers.GlobalAveragePooling1D()(b),
+        ]
+    )
+    hidden = tf.keras.layers.Dense(6, activation="relu")(pooled)
+    return tf.keras.Model(ids, tf.keras.layers.Dense(3)(hidden))
+
+
+def one_process(model_fn, opt_fn, batches, initial=None):
+    """The weights of one process after one step per batch (from `initial`
+    weights if given)."""
+    model = model_fn()
+    if initial is not None:
+        model.set_weights(initial)
+    opt = opt_fn()
+    for x, y in batches:
+        with tf.GradientTape() as tape:
+            loss = mean_loss(y, model(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    return model.get_weights()
+
+
 def momentum_or_adam(legacy):
     """Legacy momentum SGD (slots by `get_slot`) or new-family Adam."""
     if legacy:

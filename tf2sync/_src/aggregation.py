@@ -188,11 +188,11 @@ class Aggregator(
         """Creates the accumulators for these gradient types, eagerly."""
         if self._layout is None:
             with tf.init_scope():  # eagerly, even when called while tracing
-                staged = self._staged_devices(grads_and_vars)
+                staged = self._stages(grads_and_vars)
                 self._layout = wire_lib.Layout(
                     grads_and_vars, self._name, staged
                 )
-                if staged is not None:
+                if staged:
                     self._scale_out = scale_out_lib.ScaleOut(
                         self, self._layout, self._name
                     )
@@ -211,22 +211,19 @@ class Aggregator(
         """The global step and the optimizer's variables."""
         return [self.global_step] + list(self._variables_fn())
 
-    def _staged_devices(self, grads_and_vars):
-        """The predicate of the devices whose gradients are staged, or None
-        where every gradient aggregates in this ps's critical section."""
+    def _stages(self, grads_and_vars) -> bool:
+        """Whether pushes stage every share (`sync.scale_out`): where some
+        gradient lives on another ps than this one. This ps's share is
+        staged too, so that its commit holds no model variable and a
+        repeated step calls it as one function of this ps. On one ps, one
+        call per push that accumulates and applies is faster still."""
         if self._increment_fn is None:
-            return None
-        others = {
-            v.device
-            for g, v in grads_and_vars
-            if g is not None
+            return False
+        return any(
+            g is not None
             and not scale_out_lib.same_device(v.device, self.device)
-        }
-        if not others:  # one call of one ps per push is faster still
-            return None
-        # This ps's share too: its commit then holds no model variable,
-        # so a repeated step calls it as one function of this ps.
-        return lambda device: True
+            for g, v in grads_and_vars
+        )
 
     # Step side (traced) ---------------------------------------------------
 

@@ -47,14 +47,12 @@ class SparseSlot:
 class Layout:
     """How one set of variables' gradients is packed; built once, eagerly.
 
-    With `staged_elsewhere`, a predicate on a variable's device, the
-    variables on such devices get no accumulator (`buffer` and `queue` are
-    None): their gradients are staged on their ps instead (`tf2sync._src.
+    With `staged`, no variable gets an accumulator (`buffer` and `queue`
+    are None): every gradient is staged on its ps instead (`tf2sync._src.
     sync.staging`).
     """
 
-    def __init__(self, grads_and_vars, name, staged_elsewhere=None):
-        staged = staged_elsewhere or (lambda device: False)
+    def __init__(self, grads_and_vars, name, staged=False):
         self.keys = [variable_key(v) for _, v in grads_and_vars]
         self.sparse_keys = frozenset(
             variable_key(v)
@@ -68,7 +66,7 @@ class Layout:
                 continue
             if isinstance(g, tf.IndexedSlices):
                 queue = None
-                if not staged(v.device):
+                if not staged:
                     with tf.init_scope(), tf.device(v.device):
                         queue = tf.queue.FIFOQueue(
                             capacity=-1,
@@ -83,7 +81,7 @@ class Layout:
         for (device, dtype), variables in groups.items():
             sizes = [int(np.prod(v.shape.as_list())) for v in variables]
             buffer = None
-            if not staged(device):
+            if not staged:
                 with tf.init_scope(), tf.device(device):  # made there
                     zeros = tf.zeros([sum(sizes)], dtype)
                 buffer = ps_variable(zeros, device, f"{name}_acc")

@@ -68,8 +68,6 @@ class ApplyMixin:
             pushes = self.config.replicas_to_aggregate
         grads = []
         for slot in self._layout.sparse:
-            if slot.queue is None:  # staged on its ps
-                continue
             parts = [slot.queue.dequeue() for _ in range(pushes)]
             indices = tf.concat([idx for idx, _ in parts], 0)
             values = tf.concat([val for _, val in parts], 0)
@@ -83,14 +81,14 @@ class ApplyMixin:
     def _apply(self, count, pushes=None):
         """Applies the mean of the accumulated gradients; releases tokens.
 
-        Scale-out: applies this ps's share only and seals the step
+        Scale-out: every share is staged, so it only seals the step
         (`ScaleOut.seal`); returns the seal id. `pushes`: the Python int
         count of a `flush`, else None."""
+        if self._scale_out is not None:
+            return self._scale_out.seal()
         layout = self._layout
         grads_and_vars = []
         for group in layout.dense:
-            if group.buffer is None:  # staged on its ps
-                continue
             n = tf.cast(count, group.dtype)
             flat = group.buffer.read_value() / n
             for var, part in zip(group.variables, tf.split(flat, group.sizes)):
@@ -98,8 +96,7 @@ class ApplyMixin:
                     part = tf.reshape(part, var.shape)
                 grads_and_vars.append((part, var))
         drained = self._drain_sparse(count, pushes)
-        here = [slot for slot in layout.sparse if slot.queue is not None]
-        for slot, (idx, val) in zip(here, drained):
+        for slot, (idx, val) in zip(layout.sparse, drained):
             grads_and_vars.append(
                 (
                     tf.IndexedSlices(
@@ -112,8 +109,6 @@ class ApplyMixin:
                     slot.variable,
                 )
             )
-        if self._scale_out is not None:  # every share is staged
-            return self._scale_out.seal(tf.no_op)
         with step_context.sync_apply_scope():
             applied = self._apply_fn(grads_and_vars)
         return self._end_step(applied, True)

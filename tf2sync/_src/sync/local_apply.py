@@ -42,9 +42,7 @@ def _outermost(tensor):
     inside a step, a function captures the step graph's placeholder of a
     variable's handle, not the handle itself)."""
     while True:
-        graph = (
-            getattr(tensor, "graph", None) if not _is_eager(tensor) else None
-        )
+        graph = getattr(tensor, "graph", None)  # none for an eager tensor
         captures = getattr(graph, "captures", None)
         if not captures:
             return tensor
@@ -52,10 +50,6 @@ def _outermost(tensor):
         if id(tensor) not in outer:
             return tensor
         tensor = outer[id(tensor)]
-
-
-def _is_eager(tensor):
-    return hasattr(tensor, "numpy") and not isinstance(tensor, tf.Variable)
 
 
 @contextlib.contextmanager
@@ -138,11 +132,6 @@ class LocalApply:
             return None
         remote.extend(found)
         specs = [tf.TensorSpec(v.shape, v.dtype.base_dtype) for v in found]
-        function = tf.function(
-            traced,
-            autograph=False,
-            experimental_attributes={"_noinline": True},
-        )
         with tf.device(self.device):
             concrete = function.get_concrete_function(*args, specs)
         if _foreign(concrete, self.device):

@@ -6,16 +6,16 @@ holds no lock while it touches another ps. With `H` the ps of the global
 step `g` (the *home* ps), `N = replicas_to_aggregate`:
 
 1. **Stage.** The push draws a random 62-bit push id on its worker (a
-   function that runs again draws a new one) and enqueues, on every other
-   ps holding gradients, its share there under that id
+   function that runs again draws a new one) and enqueues, on every ps
+   holding gradients (`H` included), its share there under that id
    (`staging.Staging.stage`): one call per ps, side by side, no lock. Each
    answers whether its share is finite.
-2. **Commit.** One call on `H`, inside `H`'s critical section, as the
-   one-ps protocol (`aggregation`), with `H`'s own gradients: the push is
+2. **Commit.** One call on `H`, inside `H`'s critical section, by the
+   one-ps protocol's rules (`aggregation`), with no gradient: the push is
    admitted iff its tag equals `g`, the step is not sealed, every share is
    finite and the plan allows it. Admitted ids are recorded in order
-   (`admitted[count]`). The `N`-th admission *seals* the step: it applies
-   `H`'s own variables and marks the step sealed with a seal id, drawn from
+   (`admitted[count]`). The `N`-th admission *seals* the step: it marks
+   the step sealed with a seal id, drawn from
    a counter that only grows (it starts at the wall clock's microseconds).
    While sealed, every push is dropped as stale: it may have read a ps
    halfway through its apply.
@@ -25,7 +25,9 @@ step `g` (the *home* ps), `N = replicas_to_aggregate`:
    keeps the admitted ids' entries, applies their mean with the optimizer
    (whose `iterations` still reads `g`), and records the seal. Then
    **finalize**, on `H` inside its section, iff the step is still sealed
-   with that id: increments `g` (the optimizer's `iterations`) by 1, runs
+   with that id: applies `H`'s own share the same way (`H`'s section
+   orders it, no seal marker needed), increments `g` (the optimizer's
+   `iterations`) by 1, runs
    the hooks (EMA, loss scale), clears the seal and releases the next
    step's tokens.
 
@@ -39,8 +41,7 @@ more). A worker dying between stage and commit leaves an entry no commit
 admits, dropped by the next drain. One dying between the seal and the
 finalize leaves the step sealed: `recover` (the chief's watchdog) applies
 it; both may run, each ps applies once. Pushes cross to each ps once and
-take `H`'s section for O(1) work besides `H`'s own share, whatever the
-number of ps.
+take `H`'s section for O(1) work, whatever the number of ps.
 """
 
 from __future__ import annotations
@@ -71,14 +72,12 @@ class ScaleOut:
     def __init__(self, aggregator, layout, name):
         self._agg = aggregator
         self.home = aggregator.device
-        by_device = {}
+        by_device = {}  # every share is staged (`wire.Layout(staged=True)`)
         for index, group in enumerate(layout.dense):
-            if group.buffer is None:
-                by_device.setdefault(group.device, ([], []))[0].append(index)
+            by_device.setdefault(group.device, ([], []))[0].append(index)
         for index, slot in enumerate(layout.sparse):
-            if slot.queue is None:
-                device = slot.variable.device
-                by_device.setdefault(device, ([], []))[1].append(index)
+            device = slot.variable.device
+            by_device.setdefault(device, ([], []))[1].append(index)
         self.stagings = []
         self._indices = []
         for k, (device, (dense, sparse)) in enumerate(
@@ -110,8 +109,7 @@ class ScaleOut:
             tf.constant(time.time_ns() // 1000, tf.int64), home, name + "_seals"
         )
         self._appliers = {}
-        self._variables = [g.variables for g in layout.dense]
-        self._all_variables = [v for vs in self._variables for v in vs] + [
+        self._all_variables = [v for g in layout.dense for v in g.variables] + [
             s.variable for s in layout.sparse
         ]
 
@@ -157,12 +155,10 @@ class ScaleOut:
             tf.reshape(count, [1, 1]), tf.reshape(push_id, [1])
         )
 
-    def seal(self, apply_home):
-        """Seals the step (in `H`'s section): applies `H`'s own share
-        (`apply_home()`, an op), then marks the step sealed. Returns the
-        seal id."""
-        with tf.control_dependencies([apply_home()]):
-            seal = self.seals.assign_add(1)
+    def seal(self):
+        """Seals the step (in `H`'s section): marks it sealed with a new
+        seal id; returns the id."""
+        seal = self.seals.assign_add(1)
         with tf.control_dependencies([self.sealed.assign(seal)]):
             return tf.identity(seal)
 

@@ -20,24 +20,17 @@ class SealedMixin:
     """Scale-out pushes of `aggregation.Aggregator`."""
 
     def _stage(self, inputs, check_finite):
-        """Scale-out: stages the shares of the other ps (`sync.staging`);
-        returns the commit's inputs (this ps's share, the push id and the
-        stages' acknowledgement)."""
+        """Scale-out: stages every share on its ps (`sync.staging`);
+        returns the commit's inputs: no gradient (all are staged), the
+        push id and the stages' acknowledgement."""
         push_id = scale_out_lib.ScaleOut.new_push_id()
         ack = self._scale_out.stage(push_id, inputs, check_finite)
-        layout = self._layout
         with tf.device(self.device):
             push_id = tf.identity(push_id)
         return {
             **inputs,
-            "packed": [
-                p if g.buffer is not None else None
-                for p, g in zip(inputs["packed"], layout.dense)
-            ],
-            "sparse": [
-                p if slot.queue is not None else None
-                for p, slot in zip(inputs["sparse"], layout.sparse)
-            ],
+            "packed": [None] * len(inputs["packed"]),
+            "sparse": [None] * len(inputs["sparse"]),
             "id": push_id,
             "ack": ack,
         }
