@@ -10,7 +10,8 @@ backups, where both workers push the same batch so that any admitted push
 gives the same update), the counts, a sealer that dies before applying
 (the step stays sealed; `recover` and the watchdog apply it, once), a
 push that stages and never commits (dropped), and that a repeated step's
-push is a call of one function on the global step's ps.
+push is a call of one function on the global step's ps, and that the
+hold-time probe counts one commit per push and one finalize per update.
 """
 
 import time
@@ -24,6 +25,7 @@ from absl.testing import parameterized
 import tf2sync
 from tf2sync._src import aggregation
 from tf2sync._src import watchdog
+from tf2sync._src.sync import hold_time
 
 NUM_WORKERS, NUM_PS = 2, 3
 
@@ -250,6 +252,39 @@ class FaultTest(absltest.TestCase):
         )
         for st in agg._scale_out.stagings:
             self.assertEqual(int(st.queue.size().numpy()), 0)
+
+
+class HoldTimeTest(absltest.TestCase):
+    def test_the_probe_counts_each_commit_and_finalize_and_changes_nothing(
+        self,
+    ):
+        hold_time.enable()
+        try:
+            sync, model, opt = build("two_tables", "momentum")
+        finally:
+            hold_time.enable(False)
+        probe = opt._aggregator.hold_probe
+        self.assertIsNotNone(probe)
+        loop = testutil.Loop(sync, model, opt)
+        x, y = testutil.data("sparse", 3 * 16, seed=7)
+        rounds = [
+            (x[i * 16 : (i + 1) * 16], y[i * 16 : (i + 1) * 16])
+            for i in range(3)
+        ]
+        for xb, yb in rounds:
+            loop.round(halves(xb, yb))
+        held = probe.read()
+        self.assertEqual(held["push"][0], 2 * 3)  # one commit per push
+        self.assertEqual(held["finalize"][0], 3)  # one per update
+        self.assertGreater(held["push"][1], 0.0)
+        self.assertLess(held["push"][1], 10.0)
+        expected = reference("two_tables", "momentum", rounds)
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), expected), 2e-5
+        )
+        # Off again: aggregators created now carry no probe.
+        _, _, plain = build("dense", "momentum")
+        self.assertIsNone(plain._aggregator.hold_probe)
 
 
 class StructureTest(absltest.TestCase):

@@ -59,6 +59,7 @@ from tf2sync._src import wire as wire_lib
 from tf2sync._src.sync import applying
 from tf2sync._src.sync import commit
 from tf2sync._src.sync import counters
+from tf2sync._src.sync import hold_time
 from tf2sync._src.sync import scale_out as scale_out_lib
 from tf2sync._src.sync import sealed
 
@@ -144,6 +145,9 @@ class Aggregator(
         self.wait_seconds = self.barrier.wait_seconds
         with tf.init_scope(), tf.device(self.device):
             self._cs = tf.CriticalSection(name=name + "_cs")
+        self.hold_probe = None  # see `sync.hold_time`
+        if hold_time.enabled():
+            self.hold_probe = hold_time.HoldProbe(self.device, name)
         self.count = wire_lib.ps_variable(
             tf.constant(0, tf.int64), self.device, name + "_count"
         )
@@ -314,12 +318,19 @@ class Aggregator(
                     # "Measurements behind the code").
                     tf_internals.set_up_without_grappler(result)
             else:
-                result = self._cs.execute(
-                    lambda: self._push_body(wire, inputs, check_finite, stats)
+                result = self._in_section(
+                    "push",
+                    lambda: self._push_body(wire, inputs, check_finite, stats),
                 )
         if self._scale_out is None:
             return result
         return self._apply_sealed(result, stats)
+
+    def _in_section(self, kind, body, **kwargs):
+        """Runs `body` in the critical section (timed by `hold_probe`)."""
+        if self.hold_probe is not None:
+            body = self.hold_probe.timed(kind, body)
+        return self._cs.execute(body, **kwargs)
 
     def _pack(self, grads_and_vars):
         """`(packed, sparse)`: one flat tensor per dense group, and the
@@ -385,8 +396,9 @@ class Aggregator(
         )
         if key not in self._push_functions:
             function = tf.function(
-                lambda args: self._cs.execute(
-                    lambda: self._push_body(wire, args, check_finite, stats)
+                lambda args: self._in_section(
+                    "push",
+                    lambda: self._push_body(wire, args, check_finite, stats),
                 ),
                 autograph=False,
                 experimental_attributes={"_noinline": True},

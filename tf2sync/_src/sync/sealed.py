@@ -60,7 +60,8 @@ class SealedMixin:
         if stats not in self._finalizers:
             self._finalizers[stats] = local_apply.LocalApply(
                 self.device,
-                lambda seal, admitted, count: self._cs.execute(
+                lambda seal, admitted, count: self._in_section(
+                    "finalize",
                     lambda: self._finalize(seal, admitted, count, stats),
                     # The other ps' sections read the step too: the seal
                     # orders them before this.
