@@ -99,12 +99,28 @@ class LocalApply:
         return bool(self._function)
 
     def __call__(self, *args):
+        if not self.prepare(*args):
+            return self.inline(*args)
+        return self.call(args, self.reads())
+
+    def prepare(self, *args) -> bool:
+        """Traces the function for `args` (once); whether it is a call."""
         if self._function is None:
             self._function = self._build(args) or False
-        if not self._function:
-            with tf.device(self.device):
-                return self._body(*args)
-        values = [v.read_value() for v in self._remote]
+        return bool(self._function)
+
+    def inline(self, *args):
+        """The body traced inline, on `device`."""
+        with tf.device(self.device):
+            return self._body(*args)
+
+    def reads(self) -> list:
+        """The reads the function takes as inputs, where the caller runs
+        (after `prepare`)."""
+        return [v.read_value() for v in self._remote]
+
+    def call(self, args, values):
+        """Calls the function (after `prepare`) with `values` of `reads`."""
         with tf.device(self.device):
             return self._function(*args, values)
 

@@ -165,35 +165,60 @@ class ScaleOut:
     def is_sealed(self):
         return tf.not_equal(self.sealed.read_value(), 0)
 
-    def apply_staged(self, admitted, count, seal, sparse_mean):
-        """Applies the sealed step's mean on every other ps; returns an op.
+    def apply_staged(self, ticket, sparse_mean):
+        """Applies the sealed step's mean on every other ps.
 
-        Each ps in its own section, at most once per seal id (see the
-        module docstring). Runs outside `H`'s section.
+        `ticket`: int64 `[seal, count, admitted...]` from the commit (seal
+        0: the push did not seal). Each ps in its own section, at most once
+        per seal id (see the module docstring), outside `H`'s section.
+        Each ps decides on its own whether to apply, from the ticket it is
+        sent: a push that did not seal sends it and the apply's reads of
+        `H`, and nothing else crosses. Returns one bool per ps.
         """
         done = []
         for k, st in enumerate(self.stagings):
             if st is self.home_staging:  # applied by the finalize
                 continue
-            apply = self._appliers.get((k, sparse_mean))
-            if apply is None:
+            apply = self._applier(k, st, sparse_mean)
+            call = apply.prepare(ticket)
+            values = apply.reads() if call else []
+            with tf.device(st.device):
+                # Received here first: the cond's switches and its
+                # predicate then sit here too, and a dead branch sends
+                # nothing across.
+                here = tf.identity(ticket)
+                values = [tf.identity(v) for v in values]
 
-                def body(admitted, count, seal, st=st):
-                    return st.cs.execute(
-                        lambda: self._apply_on(
-                            st, admitted, count, seal, sparse_mean
-                        ),
-                        # It reads what `H`'s section holds too (the step,
-                        # hyperparameters): the seal orders the two.
-                        exclusive_resource_access=False,
-                    )
+                def run(apply=apply, here=here, values=values, call=call):
+                    if call:
+                        return apply.call((here,), values)
+                    return apply.inline(here)
 
-                apply = local_apply.LocalApply(
-                    st.device, body, self._agg.optimizer_variables
+                done.append(
+                    tf.cond(here[0] > 0, run, lambda: tf.constant(False))
                 )
-                self._appliers[(k, sparse_mean)] = apply
-            done.append(apply(admitted, count, seal))
-        return tf.group(done)
+        return done
+
+    def _applier(self, k, st, sparse_mean):
+        apply = self._appliers.get((k, sparse_mean))
+        if apply is None:
+
+            def body(ticket):
+                seal, count, admitted = ticket[0], ticket[1], ticket[2:]
+                return st.cs.execute(
+                    lambda: self._apply_on(
+                        st, admitted, count, seal, sparse_mean
+                    ),
+                    # It reads what `H`'s section holds too (the step,
+                    # hyperparameters): the seal orders the two.
+                    exclusive_resource_access=False,
+                )
+
+            apply = local_apply.LocalApply(
+                st.device, body, self._agg.optimizer_variables
+            )
+            self._appliers[(k, sparse_mean)] = apply
+        return apply
 
     def _apply_on(self, st, admitted, count, seal, sparse_mean):
         def run():

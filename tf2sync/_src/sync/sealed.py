@@ -40,19 +40,28 @@ class SealedMixin:
         ps, then ends it on this one (`sync.scale_out`). Returns
         `(applied, stats)` as `push`."""
         seal, admitted, count, read = committed
-        scale_out = self._scale_out
-
-        def apply():
-            staged = scale_out.apply_staged(
-                admitted, count, seal, self._sparse_mean
-            )
-            with tf.control_dependencies([staged]):
-                return self._finalizer(stats)(seal, admitted, count)
-
-        # Decided where the seal is: the dead branches of the pushes that
-        # did not seal cost no round trip through the worker.
         with tf.device(self.device):
-            return tf.cond(seal > 0, apply, lambda: (tf.constant(False), read))
+            ticket = tf.concat(
+                [tf.reshape(seal, [1]), tf.reshape(count, [1]), admitted], 0
+            )
+        staged = self._scale_out.apply_staged(ticket, self._sparse_mean)
+        finalizer = self._finalizer(stats)
+        args = (seal, admitted, count)
+        call = finalizer.prepare(*args)
+        values = finalizer.reads() if call else []
+        # Each cond sits on its ps with what it reads received first: a
+        # push that did not seal sends no dead branch's tensors across.
+        with tf.device(self.device), tf.control_dependencies(staged):
+            values = [tf.identity(v) for v in values]
+            return tf.cond(
+                seal > 0,
+                lambda: (
+                    finalizer.call(args, values)
+                    if call
+                    else finalizer.inline(*args)
+                ),
+                lambda: (tf.constant(False), read),
+            )
 
     def _finalizer(self, stats):
         """The finalize as one function of this ps where it can be (it
