@@ -308,7 +308,8 @@ def start_dispatcher(port: int):
     """Starts a tf.data service dispatcher on `port` of this process.
 
     Keep the returned server referenced while it serves. It listens on all
-    interfaces, as TensorFlow's other gRPC servers (README, "Security").
+    interfaces, as TensorFlow's other gRPC servers (docs/guide/launcher.md,
+    "Security: keep the cluster private").
     """
     return tf.data.experimental.service.DispatchServer(
         tf.data.experimental.service.DispatcherConfig(port=port)
