@@ -8,7 +8,8 @@ seals a step applies it there (`tf2sync/_src/sync/scale_out.py`).
 What is checked: exactness against one process (N-of-N, and 1-of-2 with
 backups, where both workers push the same batch so that any admitted push
 gives the same update), the counts, a sealer that dies before applying
-(the step stays sealed; `recover` and the watchdog apply it, once), a
+(the step stays sealed; `recover` and the watchdog apply it, once, with
+the function the watchdog ran before the fault), a
 push that stages and never commits (dropped), and that a repeated step's
 push is a call of one function on the global step's ps, and that the
 hold-time probe counts one commit per push and one finalize per update.
@@ -220,6 +221,42 @@ class FaultTest(absltest.TestCase):
         self.assertLess(
             testutil.max_abs_diff(model.get_weights(), expected), 2e-5
         )
+
+    def test_recover_runs_the_function_prepared_before_the_fault(self):
+        # A function's first run waits for every task, a frozen worker
+        # too: `recover` must run the one `prepare_recover` ran.
+        _, model, opt, batch = self._sealed_not_applied()
+        agg = opt._aggregator
+        self.assertTrue(agg.prepare_recover())
+        self.assertTrue(agg.watch_state().sealed)  # no seal: a no-op
+        self.assertEqual(int(opt.iterations.numpy()), 0)
+        function = agg._recover_fn
+        self.assertTrue(agg.recover())
+        self.assertIs(agg._recover_fn, function)
+        self.assertEqual(function.experimental_get_tracing_count(), 1)
+        self.assertEqual(int(opt.iterations.numpy()), 1)
+        expected = reference("two_tables", "momentum", [batch])
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), expected), 2e-5
+        )
+
+    def test_the_watchdog_prepares_recover_once_steps_are_applied(self):
+        sync, model, opt = build("two_tables", "momentum")
+        agg = opt._aggregator
+        dog = watchdog.TokenWatchdog(agg, timeout=60, poll=0.1)
+        try:
+            time.sleep(0.5)
+            self.assertIsNone(getattr(agg, "_recover_fn", None))
+            x, y = testutil.data("sparse", 16, seed=8)
+            testutil.Loop(sync, model, opt).round(halves(x, y))
+            deadline = time.monotonic() + 30
+            while getattr(agg, "_recover_fn", None) is None:
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.1)
+        finally:
+            dog.stop()
+        self.assertEqual(int(opt.iterations.numpy()), 1)
+        self.assertFalse(agg.watch_state().sealed)
 
     def test_a_push_staged_and_never_committed_is_dropped(self):
         sync, model, opt = build("two_tables", "momentum")

@@ -26,7 +26,11 @@ With variables on several ps (`sync.scale_out`), the worker whose push
 sealed a step applies it; one that dies before it is done leaves the step
 sealed. Stalled so, the watchdog calls the barrier's `recover()`, which
 applies the step where it was not yet applied and ends it (each ps applies
-it once, whoever else is still applying it).
+it once, whoever else is still applying it). Once steps have been applied
+the watchdog runs `recover`'s function once with nothing sealed
+(`prepare_recover`): a function first run while a worker is frozen would
+wait for that worker (`liveness`), and a frozen sealer is the case
+`recover` is for.
 """
 
 from __future__ import annotations
@@ -131,6 +135,7 @@ class TokenWatchdog:
 
     def _run(self):
         last, since = None, time.monotonic()
+        first, prepared = None, False
         while True:
             self._wake.wait(ALARM_POLL if self._alarmed() else self.poll)
             self._wake.clear()
@@ -147,6 +152,12 @@ class TokenWatchdog:
                         state = barrier.watch_state()
                 except Exception:  # The cluster is gone: nothing to watch.
                     return
+            if first is None:
+                first = state.step
+            if not prepared and state.step != first and not state.sealed:
+                # Steps were applied: the pushes are traced and every
+                # worker answered. (Off the training thread.)
+                prepared = self._prepare_recover(barrier)
             if state.progress != last:
                 last, since = state.progress, time.monotonic()
                 continue
@@ -190,6 +201,20 @@ class TokenWatchdog:
                 barrier.seed_tokens(needed)
             self.released += needed
             since = time.monotonic()
+
+    def _prepare_recover(self, barrier) -> bool:
+        """`barrier.prepare_recover()` where it has one (scale-out)."""
+        prepare = getattr(barrier, "prepare_recover", None)
+        if prepare is None:
+            return True
+        with _POLL_LOCK:
+            if self._stop.is_set():
+                return True
+            try:
+                return prepare()
+            except Exception:  # noqa: BLE001 - the cluster is going away
+                logging.exception("tf2sync: preparing the recovery failed.")
+                return True
 
     def _log_timeout(self, state, since, needed):
         logging.log(

@@ -113,11 +113,36 @@ class SealedMixin:
             seal = int(scale_out.sealed.numpy())
             if not seal:
                 return False
+            self._recover_function()(tf.constant(seal, tf.int64))
+            return True
 
-            def run():
+    def prepare_recover(self) -> bool:
+        """Runs `recover`'s function once with no seal: it changes nothing.
+
+        A function's first run registers it with every task of the cluster
+        and waits for each to answer, a frozen worker too (`liveness`):
+        prepared while every worker answers, `recover` runs at once when a
+        frozen sealer leaves its step sealed. The watchdog calls this once
+        steps have been applied. Returns False until a push has built the
+        protocol (nothing to prepare before).
+        """
+        if self._scale_out is None:
+            return False
+        with tf.init_scope():
+            self._recover_function()(tf.constant(0, tf.int64))
+        return True
+
+    def _recover_function(self):
+        function = getattr(self, "_recover_fn", None)
+        if function is None:
+            scale_out = self._scale_out
+
+            def run(seal):
+                # Seal 0 (`prepare_recover`): every apply and the finalize
+                # are skipped by their conditions.
                 return self._apply_sealed(
                     (
-                        tf.constant(seal, tf.int64),
+                        seal,
                         scale_out.admitted.read_value(),
                         self.count.read_value(),
                         tf.zeros([0], tf.float64),
@@ -125,5 +150,10 @@ class SealedMixin:
                     stats=False,
                 )
 
-            tf.function(run, autograph=False)()
-            return True
+            function = tf.function(
+                run,
+                input_signature=[tf.TensorSpec([], tf.int64)],
+                autograph=False,
+            )
+            self._recover_fn = function
+        return function
