@@ -201,6 +201,50 @@ class BadInputTest(parameterized.TestCase):
         self._check_refused([arg], f"{arg}: must be a positive integer.")
 
     @parameterized.named_parameters(
+        (
+            "int_given_a_word",
+            "--replicas_to_aggregate=two",
+            "flag --replicas_to_aggregate=two: invalid literal for int() "
+            "with base 10: 'two'",
+        ),
+        (
+            "unknown_flag",
+            "--replicas_to_agregate=2",
+            "Unknown command line flag 'replicas_to_agregate'. Did you mean: "
+            "replicas_to_aggregate ?",
+        ),
+        (
+            "enum_value",
+            "--input_sharding=dynamic",
+            "flag --input_sharding=dynamic: value should be one of "
+            "<static|service>",
+        ),
+    )
+    def test_a_flag_absl_cannot_parse_exits_2_in_one_line(self, arg, line):
+        # absl's own parsing error exits 1 with two lines.
+        self._check_refused([arg], f"{line} (tf2sync --help lists the flags)")
+
+    def test_more_total_replicas_than_the_local_workers(self):
+        self._check_refused(
+            ["--local_cluster=2,1", "--total_num_replicas=3"],
+            "--total_num_replicas=3: more than the 2 replica(s) of the "
+            "cluster (2 worker(s)): each step would hand out tokens for "
+            "replicas that do not exist and workers would push stale "
+            "gradients; give at most 2.",
+        )
+
+    def test_more_total_replicas_than_the_clusters_gpus(self):
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        self._check_refused(
+            ["--job_name=chief", "--num_gpus=2", "--total_num_replicas=5"]
+            + _host_flags(spec),
+            "--total_num_replicas=5: more than the 4 replica(s) of the "
+            "cluster (2 worker(s) x 2 GPU(s)): each step would hand out "
+            "tokens for replicas that do not exist and workers would push "
+            "stale gradients; give at most 4.",
+        )
+
+    @parameterized.named_parameters(
         ("token_timeout", "--token_timeout=-1", "a finite number >= 0"),
         ("worker_timeout", "--worker_timeout=-1", "a finite number >= 0"),
         # NaN passed `value < 0`: the job started its tasks, then failed.
@@ -659,7 +703,7 @@ class HelpTest(absltest.TestCase):
                     rc, out = process.returncode, process.stdout
                 else:
                     rc, out, _, _ = _run(["--help"])
-                self.assertEqual(rc, 1)  # absl's --help exits 1
+                self.assertEqual(rc, 0)  # absl's exits 1: help is no error
                 for flag in (
                     "--local_cluster",
                     "--job_name",
@@ -675,7 +719,7 @@ class HelpTest(absltest.TestCase):
         rc, out, _, _ = _run(
             ["--job_module=tf2sync._src.jobs.clicks", "--help"]
         )
-        self.assertEqual(rc, 1)
+        self.assertEqual(rc, 0)
         self.assertIn("  --clicks_vocab_size: ", out)
 
 

@@ -10,6 +10,7 @@ checked by `checkpointing.check_model_fits`.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -304,4 +305,28 @@ def check_epochs_left(
             f"{os.path.basename(latest)} already finished epoch {done} of "
             f"--epochs={epochs}, nothing to train (pass --epochs above "
             f"{done} to train on, or another --checkpoint_dir)."
+        )
+
+
+def check_total_num_replicas(total, workers, gpus, local):
+    """--total_num_replicas above the cluster's replicas: each step would
+    hand out tokens for replicas that do not exist, so workers run ahead
+    and a share of their pushes arrives stale. Checked where the replicas
+    are known: one per GPU of --num_gpus, one per worker with
+    --num_gpus=0, or in the `local` mode on a machine without an NVIDIA
+    device (asking TensorFlow would start its runtime before the forks)."""
+    if gpus is None and local and not glob.glob("/dev/nvidia[0-9]*"):
+        gpus = 0
+    if total is None or not workers or gpus is None:
+        return
+    replicas = workers * max(1, gpus or 0)
+    if total > replicas:
+        raise app.UsageError(
+            f"--total_num_replicas={total}: more than the {replicas} "
+            f"replica(s) of the cluster ({workers} worker(s)"
+            + (f" x {gpus} GPU(s)" if gpus else "")
+            + "): each step would hand out tokens for replicas that do not "
+            "exist and workers would push stale gradients; give at most "
+            f"{replicas}.",
+            exitcode=2,
         )

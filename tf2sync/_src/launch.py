@@ -450,6 +450,36 @@ def _import_job_before_flags(argv):
         flags.FLAGS.set_default(flag_name, default)
 
 
+# absl's help flags: each prints help and exits (absl: 1; here: 0).
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "h", "?")
+
+
+def _asks_for_help(argv) -> bool:
+    for arg in argv[1:]:
+        if arg == "--":
+            return False
+        if arg.startswith("-") and arg.lstrip("-").split("=")[0] in _HELP_FLAGS:
+            return True
+    return False
+
+
+def _parse_flags(argv):
+    """absl's flag parsing with the launcher's exit codes: a flag absl
+    cannot parse (an unknown flag, a value of the wrong type) ends it with
+    one line and exit 2, as every other bad input; `--help` exits 0."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as error:
+        message = " ".join(str(error).split())
+        sys.stderr.write(f"{message} (tf2sync --help lists the flags)\n")
+        sys.stderr.flush()
+        sys.exit(2)
+    except SystemExit as done:
+        if done.code == 1 and _asks_for_help(argv):
+            sys.exit(0)
+        raise
+
+
 def run():
     """Console-script entry point."""
     console.setup_launcher(sys.argv)  # done already by `tf2sync`'s import
@@ -459,4 +489,4 @@ def run():
         console.flag_value(sys.argv, "job_module")
         or launch_flags.JOB_MODULE.default,
     )
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

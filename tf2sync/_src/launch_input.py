@@ -147,7 +147,7 @@ def check_input():
     role = launch_flags.JOB_NAME.value
     source = cluster_source()
     _check_host_flags_used(source)
-    spec, index = None, launch_flags.TASK_INDEX.value
+    spec, index, workers = None, launch_flags.TASK_INDEX.value, None
     if source == "tf_config":
         config = flag_checks.parse_tf_config(os.environ["TF_CONFIG"])
         role = config["task"]["type"]
@@ -156,13 +156,20 @@ def check_input():
         task = jobset_task()
         role, spec, index = task.task_type, task.cluster, task.task_index
     elif source == "local":
-        local_workers_and_ps()  # this process is the chief
+        workers, _ = local_workers_and_ps()  # this process is the chief
         role = "chief"
     elif source == "flags" and role in ("ps", "worker", "chief"):
         spec = spec_from_flags(warn=False)
         check_num_ps(len(spec["ps"]))
     if spec is not None:
         _check_service_addresses(spec, role, index, source)
+        workers = len(spec.get("worker", []))
+    flag_checks.check_total_num_replicas(
+        launch_flags.TOTAL_NUM_REPLICAS.value,
+        workers,
+        launch_flags.NUM_GPUS.value,
+        local=source == "local",
+    )
     if role in ("ps", "worker"):
         return
     evaluator = role == "evaluator"
