@@ -108,6 +108,13 @@ _WORKER_TIMEOUT = flags.DEFINE_float(
     10.0,
     "Passed to the chief as --worker_timeout, if the launcher has that flag.",
 )
+_NUM_PS = flags.DEFINE_integer(
+    "num_ps",
+    1,
+    "Parameter servers. With 2 or more, fault_job's 4 variables sit round "
+    "robin on them (the scale-out protocol) and ps_kill kills a ps drawn "
+    "at random.",
+)
 _TOKEN_TIMEOUT = flags.DEFINE_float(
     "token_timeout", None, "Passed to the chief if set (else its default)."
 )
@@ -281,7 +288,9 @@ class Run:
     def __init__(self, settings, num_workers, rta, epochs):
         self.settings = settings
         self.dir = tempfile.mkdtemp(prefix="tf2sync-chaos-")
-        self.spec = cluster_lib.cluster_spec_dict(num_workers, 1)
+        self.spec = cluster_lib.cluster_spec_dict(
+            num_workers, settings["num_ps"]
+        )
         self.num_workers = num_workers
         self.rta = rta
         self.epochs = epochs
@@ -378,9 +387,12 @@ def _inject(kind, run, rng, settings):
         finally:
             process.send_signal(signal.SIGCONT)
     elif kind == "ps_kill":
-        run.tasks.kill("ps", 0)
+        num_ps = settings["num_ps"]
+        ps = rng.randrange(num_ps) if num_ps > 1 else 0
+        print(f"  ps {ps} of {num_ps}", flush=True)
+        run.tasks.kill("ps", ps)
         time.sleep(delay)
-        run.tasks.restart("ps", 0)
+        run.tasks.restart("ps", ps)
     elif kind == "chief_kill":
         procutil.kill(run.chief)
         time.sleep(delay)
@@ -550,9 +562,11 @@ def table(outcomes):
 
     def name(o):
         s = o.settings
-        return FAULTS[o.fault].format(
+        text = FAULTS[o.fault].format(
             delay=s["restart_delay"], freeze=s["freeze_seconds"]
         )
+        num_ps = s.get("num_ps", 1)  # runs recorded before the flag: 1
+        return text if num_ps == 1 else f"{text}, {num_ps} ps"
 
     rows = []
     groups = {}
@@ -609,6 +623,7 @@ def _settings():
         "epochs": pick(_EPOCHS, 2),
         "steps_per_epoch": pick(_STEPS_PER_EPOCH, 200),
         "steps_per_execution": _STEPS_PER_EXECUTION.value,
+        "num_ps": _NUM_PS.value,
         "freeze_seconds": _FREEZE_SECONDS.value,
         "restart_delay": _RESTART_DELAY.value,
         "worker_timeout": _WORKER_TIMEOUT.value,
@@ -699,7 +714,9 @@ def write_doc(path, text, outcomes):
             f"Each run trains `tests/fault_job.py` for {s['epochs']} epochs "
             f"x {s['steps_per_epoch']} pushes (replica steps), "
             f"steps_per_execution={s['steps_per_execution']}, on 2 workers "
-            "(3 with the backup) and 1 ps, each task a process on 127.0.0.1 "
+            "(3 with the backup) and 1 ps (rows that say 2 ps: 2, "
+            "fault_job's 4 variables round robin on them, a ps_kill's ps "
+            "drawn at random), each task a process on 127.0.0.1 "
             "started by `benchmarks/chaos.py` and ended by PID; the chief "
             f"runs with --checkpoint_dir{timeouts}, the launcher's defaults "
             "otherwise. Its fault is injected when the global step reaches "
