@@ -52,6 +52,10 @@ NUM_WORKERS = reference.NUM_WORKERS
 PHASES = [[0, 1]] * 6  # lockstep: both workers step in every phase
 STEP_SECONDS = 0.2  # see the top: one scheduled step per idle worker
 REFERENCE_TIMEOUT = 240
+# A phase takes a few seconds at most (its first traces the step); a
+# phase still running after this long waits for a token that nothing will
+# give (the watchdog is off, see `_Port`): the port hung, and fails.
+PHASE_TIMEOUT = 60.0
 
 _REFERENCE = {}  # (shape, num_tokens) -> TF1's lines, one per phase
 
@@ -137,8 +141,20 @@ class _Port:
         raise NotImplementedError
 
     def phase(self, workers):
-        """One lockstep phase: one step per worker, joined."""
+        """One lockstep phase: one step per worker, joined.
+
+        Raises:
+          AssertionError: The phase hung (see `PHASE_TIMEOUT`). Its steps
+            are given tokens first, so that they end and leave the cluster
+            to the next test.
+        """
         results = [self.schedule(w) for w in workers]
+        deadline = time.monotonic() + PHASE_TIMEOUT
+        while not self.coordinator.done():
+            if time.monotonic() > deadline:
+                self.opts[0]._protocol.seed_tokens(2 * NUM_WORKERS)
+                raise AssertionError(f"phase {self.phases} hung")
+            time.sleep(0.05)
         self.coordinator.join()
         for r in results:
             r.fetch()  # raises the step's error, if any
