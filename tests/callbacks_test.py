@@ -13,6 +13,7 @@ import testutil
 from absl.testing import absltest
 
 import tf2sync
+from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import strategy as strategy_lib
 
 _X, _Y = testutil.data("dense", 32)
@@ -270,6 +271,29 @@ class CallbacksTest(absltest.TestCase):
         self.assertEqual(history.history["nonfinite_dropped"], [4, 8])
         self.assertTrue(all(math.isfinite(v) for v in history.history["loss"]))
         self.assertEqual(testutil.max_abs_diff(model.get_weights(), before), 0)
+
+
+class FindSyncOptimizerTest(absltest.TestCase):
+    def test_itself_or_under_loss_scaling_by_its_marker_else_refused(self):
+        # By `SyncOptimizer`'s class marker, not its class: optimizer.py
+        # imports what imports callbacks.py (lint_test's no-cycle test).
+        self.assertTrue(tf2sync.SyncOptimizer._tf2sync_synchronous)
+
+        class Sync:
+            _tf2sync_synchronous = True
+
+        class Scaled:
+            sync_optimizer = Sync()
+
+        sync, scaled = Sync(), Scaled()
+        self.assertIs(callbacks_lib.find_sync_optimizer(sync), sync)
+        self.assertIs(
+            callbacks_lib.find_sync_optimizer(scaled), scaled.sync_optimizer
+        )
+        with self.assertRaisesRegex(
+            ValueError, "SyncMetrics needs a model compiled with tf2sync"
+        ):
+            callbacks_lib.find_sync_optimizer(tf.keras.optimizers.SGD(0.1))
 
 
 def _fit_terminating_on_nan(model, data, epochs):

@@ -1,5 +1,6 @@
 """Repository hygiene: ruff clean, BUILD names every module and its deps."""
 
+import ast
 import glob
 import os
 import re
@@ -66,6 +67,58 @@ def _locked_names():
     }
 
 
+def tf2sync_imports(root):
+    """{module: modules of tf2sync it imports}, at any depth of the file
+    (imports inside functions too: they hide a cycle, not break it). The
+    package root (`tf2sync`) is left out: every module is inside it."""
+    paths = {}
+    for path in glob.glob(
+        os.path.join(root, "tf2sync", "**", "*.py"), recursive=True
+    ):
+        name = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+        paths[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in paths.items():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    found.add(full if full in paths else node.module)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[name] = {
+            m for m in found if m in paths and m not in (name, "tf2sync")
+        }
+    return graph
+
+
+def import_cycle(graph):
+    """One cycle of `graph` as a list of modules, or None."""
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt, path + [nxt])
+                if found:
+                    return found
+        state[node] = "done"
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start, [start])
+            if found:
+                return found
+    return None
+
+
 class LintTest(absltest.TestCase):
     def _run(self, *args):
         ruff = _ruff()
@@ -74,6 +127,29 @@ class LintTest(absltest.TestCase):
         return subprocess.run(
             [ruff, *args], cwd=_ROOT, capture_output=True, text=True
         )
+
+    def test_no_import_cycle_in_tf2sync(self):
+        # Function-level imports count: they only hide a cycle. Parsed in a
+        # fresh interpreter: in the suite's process Python 3.11.7's
+        # `ast.parse` failed ("AST constructor recursion depth mismatch")
+        # after the TensorFlow tests.
+        code = (
+            "import sys; sys.path.insert(0, sys.argv[1]); import lint_test; "
+            "print(lint_test.import_cycle(lint_test.tf2sync_imports(sys.argv[2])))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, os.path.dirname(__file__), _ROOT],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+        self.assertEqual(out.stdout.strip(), "None")
+
+    def test_the_cycle_finder_finds_a_cycle(self):
+        graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+        self.assertEqual(import_cycle(graph), ["a", "b", "c", "a"])
+        self.assertIsNone(import_cycle({"a": {"b"}, "b": set()}))
 
     def test_ruff_format(self):
         out = self._run("format", "--check", ".")

@@ -11,14 +11,17 @@ import tf_keras
 from tf2sync._src import tf_internals
 
 
+def _is_sync_optimizer(optimizer) -> bool:
+    # `SyncOptimizer`'s marker: optimizer.py imports what imports this.
+    return getattr(type(optimizer), "_tf2sync_synchronous", False)
+
+
 def find_sync_optimizer(optimizer):
     """The `SyncOptimizer` in `optimizer` (itself, or under loss scaling)."""
-    from tf2sync._src.optimizer import SyncOptimizer
-
-    if isinstance(optimizer, SyncOptimizer):
+    if _is_sync_optimizer(optimizer):
         return optimizer
     inner = getattr(optimizer, "sync_optimizer", None)
-    if isinstance(inner, SyncOptimizer):
+    if _is_sync_optimizer(inner):
         return inner
     raise ValueError(
         "SyncMetrics needs a model compiled with tf2sync.SyncOptimizer. "
