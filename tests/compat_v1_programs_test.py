@@ -40,11 +40,16 @@ import time
 
 import compat_v1_programs_reference as reference
 import numpy as np
+import pytest
 import tensorflow as tf
 import testutil
 from absl.testing import absltest
 
 from tf2sync.compat import v1 as compat_v1
+
+# Multi-process: TF1's reference runs in a subprocess; run by
+# `pytest -m slow` and CI.
+pytestmark = pytest.mark.slow
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -15,6 +15,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 import testutil
 from absl.testing import absltest
@@ -22,6 +23,10 @@ from absl.testing import absltest
 import tf2sync
 from tf2sync._src import strategy as strategy_lib
 from tf2sync.compat import v1 as compat_v1
+
+# Multi-process: TF1's reference and the 1-ps cells run in subprocesses;
+# run by `pytest -m slow` and CI.
+pytestmark = pytest.mark.slow
 
 NUM_WORKERS, NUM_PS = 3, 2
 HERE = os.path.dirname(os.path.abspath(__file__))

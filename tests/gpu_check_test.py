@@ -11,7 +11,12 @@ import sys
 import tempfile
 
 import procutil
+import pytest
 from absl.testing import absltest
+
+# Multi-process: it runs benchmarks/gpu_check.sh; run by `pytest -m slow`
+# and CI.
+pytestmark = pytest.mark.slow
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPT = os.path.join(_ROOT, "benchmarks", "gpu_check.sh")

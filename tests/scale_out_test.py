@@ -18,6 +18,7 @@ hold-time probe counts one commit per push and one finalize per update.
 import time
 from unittest import mock
 
+import pytest
 import tensorflow as tf
 import testutil
 from absl.testing import absltest
@@ -27,6 +28,10 @@ import tf2sync
 from tf2sync._src import aggregation
 from tf2sync._src import watchdog
 from tf2sync._src.sync import hold_time
+
+# Long: a 3-ps cluster and about 3 minutes on 2 cores; run by
+# `pytest -m slow` and CI.
+pytestmark = pytest.mark.slow
 
 NUM_WORKERS, NUM_PS = 2, 3
 

@@ -18,6 +18,7 @@ import tempfile
 import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 import testutil
 from absl.testing import absltest
@@ -27,6 +28,10 @@ import tf2sync
 from tf2sync._src import sharding
 from tf2sync._src import step_context
 from tf2sync._src import tf_internals
+
+# Long: the suite's longest file (about 9 minutes on 2 cores); run by
+# `pytest -m slow` and CI.
+pytestmark = pytest.mark.slow
 
 NUM_WORKERS, NUM_PS = 2, 3
 VOCAB_A, VOCAB_B = 50, 31
