@@ -67,10 +67,11 @@ PHASE_TIMEOUT = 60.0
 SETTLE_TIMEOUT = 20.0
 REFERENCE_TIMEOUT = 240.0
 SUBPROCESS_TIMEOUT = 300.0
-# The strategy's watchdog is off: its drain (a second without progress)
-# releases tokens TF1 never would, and on a loaded 2-core machine a slow
-# round could trigger it. No phase here needs a released token in TF1.
-TOKEN_TIMEOUT = None
+# The strategy's watchdog is on, with its default timeout, as a user's:
+# no phase here needs a released token in TF1, and the watchdog's drain
+# must not give one while a step is still computing before its push
+# (on a loaded 2-core machine a round can take over its 1 s).
+TOKEN_TIMEOUT = 60.0
 
 # Each cell's phases were checked against TF1's token protocol: none waits
 # for a token TF1 would never give, and none races (a concurrent phase

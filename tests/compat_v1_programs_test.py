@@ -58,9 +58,11 @@ PHASES = [[0, 1]] * 6  # lockstep: both workers step in every phase
 STEP_SECONDS = 0.2  # see the top: one scheduled step per idle worker
 REFERENCE_TIMEOUT = 240
 # A phase takes a few seconds at most (its first traces the step); a
-# phase still running after this long waits for a token that nothing will
-# give (the watchdog is off, see `_Port`): the port hung, and fails.
-PHASE_TIMEOUT = 60.0
+# phase still running after this long waits for a token that only the
+# watchdog's timeout (60 s) would give: the port hung, and fails.
+PHASE_TIMEOUT = 50.0
+# Longer than the shim's drain timeout (1 s): see `SlowStepTest`.
+SLOW_STEP_SECONDS = 1.5
 
 _REFERENCE = {}  # (shape, num_tokens) -> TF1's lines, one per phase
 
@@ -96,11 +98,9 @@ def tf1_lines(shape, num_tokens=0):
     return lines
 
 
-def _after_sleep(tensor):
-    """`tensor`, once the step has slept `STEP_SECONDS` (same values)."""
-    slept = tf.py_function(
-        lambda: time.sleep(STEP_SECONDS) or 0.0, [], tf.float32
-    )
+def _after_sleep(tensor, seconds):
+    """`tensor`, once the step has slept `seconds` (same values)."""
+    slept = tf.py_function(lambda: time.sleep(seconds) or 0.0, [], tf.float32)
     with tf.control_dependencies([slept]):
         return tf.identity(tensor)
 
@@ -108,18 +108,18 @@ def _after_sleep(tensor):
 class _Port:
     """One TF1 program's port: one coordinator, 2 workers and 1 ps.
 
-    The strategy's token watchdog is off (`token_timeout=None`, as in
-    compat_v1_grid_test.py): TF1 has none, and its drain (a second
-    without a push while every scheduled step is dispatched) can release
-    tokens TF1 never would. It did here, in `monitored_sync`'s first phase
-    (no initial tokens; a worker's first step took over a second before it
-    pushed): two tokens of global step 0, so each worker's next step was
-    wasted and the run one round behind TF1's.
+    The strategy's token watchdog is on, as a user's is: TF1 has none,
+    and the port must still be TF1's run. Its drain (tokens for a round
+    that no scheduled step will complete) once released tokens while a
+    step was still computing before its push
+    (`test_slow_steps_get_no_early_tokens`): each
+    worker's next step was wasted, the run one round behind TF1's.
     """
 
     shape = None
 
-    def __init__(self, token_timeout=None):
+    def __init__(self, token_timeout=60.0, step_seconds=STEP_SECONDS):
+        self.step_seconds = step_seconds
         self.strategy = testutil.strategy(
             NUM_WORKERS,
             1,
@@ -145,8 +145,8 @@ class _Port:
         """Schedules the step of TF1's worker `worker` in this phase."""
         raise NotImplementedError
 
-    def phase(self, workers):
-        """One lockstep phase: one step per worker, joined.
+    def phase(self, workers, timeout=PHASE_TIMEOUT):
+        """One phase: one step per worker in `workers`, joined.
 
         Raises:
           AssertionError: The phase hung (see `PHASE_TIMEOUT`). Its steps
@@ -154,7 +154,7 @@ class _Port:
             to the next test.
         """
         results = [self.schedule(w) for w in workers]
-        deadline = time.monotonic() + PHASE_TIMEOUT
+        deadline = time.monotonic() + timeout
         while not self.coordinator.done():
             if time.monotonic() > deadline:
                 self.opts[0]._protocol.seed_tokens(2 * NUM_WORKERS)
@@ -202,7 +202,9 @@ class _MnistReplica(_Port):
         weights = self.weights
 
         def replica(x, y_):
-            cross_entropy = reference.mlp_loss(_after_sleep(x), y_, *weights)
+            cross_entropy = reference.mlp_loss(
+                _after_sleep(x, self.step_seconds), y_, *weights
+            )
             return opt.minimize(
                 cross_entropy, global_step=global_step, var_list=weights
             )
@@ -268,7 +270,7 @@ class _MonitoredSync(_Port):
 
         def replica(features, labels):
             loss = reference.dense_loss(
-                _after_sleep(features), labels, *weights
+                _after_sleep(features, self.step_seconds), labels, *weights
             )
             return opt.minimize(loss, global_step=global_step, var_list=weights)
 
@@ -298,8 +300,8 @@ class _ThreeOptimizers(_Port):
 
     shape = "three"
 
-    def __init__(self, private_steps):
-        super().__init__()
+    def __init__(self, private_steps, **kwargs):
+        super().__init__(**kwargs)
         strategy = self.strategy
         with strategy.scope():
             global_step = tf.Variable(
@@ -329,7 +331,9 @@ class _ThreeOptimizers(_Port):
         steps = self.steps if private_steps else [global_step, None, None]
 
         def replica(x):
-            loss = reference.three_loss(_after_sleep(x), *weights)
+            loss = reference.three_loss(
+                _after_sleep(x, self.step_seconds), *weights
+            )
             grads = tf.gradients(loss, weights)
             return [
                 opt.apply_gradients([(g, v)], step)
@@ -456,6 +460,26 @@ class ProgramsTest(absltest.TestCase):
     def test_three_optimizers_minimal(self):
         # docs/migrating.md's port: B and C given `global_step=None`.
         self._run(_ThreeOptimizers(private_steps=False), tf1_lines("three"))
+
+    def test_slow_steps_get_no_early_tokens(self):
+        # Every step computes longer than the drain timeout before its
+        # push, with the queue empty (num_tokens=0, then each round's
+        # tokens taken): no token may come before the pushes do.
+        port = _MonitoredSync(step_seconds=SLOW_STEP_SECONDS)
+        port.start_as_written(num_tokens=0)
+        self._run(port, tf1_lines("monitored", num_tokens=0), wasted=0)
+        self.assertEqual(port.opts[0]._protocol.watchdog.released, 0)
+
+    def test_drain_releases_a_round_nobody_completes(self):
+        # After TF1's phases, one step alone: its round needs a second
+        # push that no scheduled step will make, so it waits for a token
+        # TF1 would never give (TF1's program hangs there). The drain
+        # gives it one, long before the 60 s timeout would.
+        port = _MnistReplica()
+        self._run(port, tf1_lines("supervisor"))
+        port.phase([0], timeout=20.0)
+        self.assertEqual(port.opts[0]._protocol.watchdog.released, 1)
+        self.assertEqual(int(port.steps[0].numpy()), len(PHASES) - 1)
 
 
 if __name__ == "__main__":
