@@ -178,6 +178,28 @@ class RealProgramsTest(absltest.TestCase):
         self.assertEqual(names.count("SyncReplicasOptimizer"), 3)
         self.assertEqual(names.count("global_step"), 1)
 
+    def test_a_hook_given_num_tokens_is_kept(self):
+        # Dropping it would start the run with TF1's default tokens
+        # (compat_v1_programs_test's monitored ports: one round apart).
+        found = finder.find(
+            "import tensorflow as tf\n"
+            "opt = tf.train.SyncReplicasOptimizer(inner, 2)\n"
+            "h = opt.make_session_run_hook(is_chief, num_tokens=0)\n"
+            "g = opt.make_session_run_hook(True, 0)\n"
+            "d = opt.make_session_run_hook(is_chief)\n"
+        )
+        hooks = [
+            (f.line, f.form) for f in found if f.name == "make_session_run_hook"
+        ]
+        self.assertEqual(
+            hooks,
+            [
+                (3, table.HOOK_WITH_TOKENS),
+                (4, table.HOOK_WITH_TOKENS),
+                (5, table.BY_NAME["make_session_run_hook"].form),
+            ],
+        )
+
     def test_plain_program_has_nothing(self):
         # A session, a global step, a sess.run loop, MonitoredTraining-
         # Session, StopAtStepHook and a --num_workers flag (input threads):

@@ -39,8 +39,11 @@ def main():
     opt_c = SyncReplicasOptimizer(MomentumOptimizer(20 * LR, 0.9), num_workers)
     grads = tf.gradients(loss, [w_a, w_b, w_c])
     apply_a = opt_a.apply_gradients([(grads[0], w_a)], global_step)
-    apply_b = opt_b.apply_gradients([(grads[1], w_b)])
-    apply_c = opt_c.apply_gradients([(grads[2], w_c)])
+    # TF1 refuses global_step=None: B and C count their own steps.
+    step_b = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_b")
+    step_c = tf.Variable(0, dtype=tf.int64, trainable=False, name="step_c")
+    apply_b = opt_b.apply_gradients([(grads[1], w_b)], step_b)
+    apply_c = opt_c.apply_gradients([(grads[2], w_c)], step_c)
     update = tf.group(apply_a, apply_b, apply_c)
 
   if is_chief:

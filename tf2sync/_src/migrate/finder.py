@@ -288,6 +288,21 @@ class _Finder(ast.NodeVisitor):
                         "replica_id",
                         f"{_short(func)}(replica_id=...)",
                     )
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr == "make_session_run_hook"
+            and not self._aliases.is_tf(func.value)
+            and (
+                len(node.args) > 1
+                or any(k.arg == "num_tokens" for k in node.keywords)
+            )
+        ):
+            self._add(
+                func.lineno,
+                "make_session_run_hook",
+                _short(func),
+                form=table.HOOK_WITH_TOKENS,
+            )
         dotted = names.dotted(func) or ""
         if short_name in _GLOBAL_STEP_FUNCTIONS or (
             # The global step of the TF models' own slim (Inception).

@@ -96,7 +96,8 @@ CONSTRUCTS = (
         "make_session_run_hook",
         "`opt.make_session_run_hook(is_chief)`",
         "optional: the coordinator starts the round before the first "
-        "step (a kept hook still works)",
+        "step with TF1's default tokens (a kept hook still works; keep one "
+        "given `num_tokens`, or the run starts with other tokens)",
         _CHIEF_CALLS,
     ),
     Construct(
@@ -247,6 +248,16 @@ FLAG_FORMS = {
     "ps_tasks": _NUM_PS,
     "num_parameter_servers": _NUM_PS,
 }
+
+
+# A hook given its own `num_tokens` (`finder`): the coordinator's start
+# would enqueue TF1's default instead.
+HOOK_WITH_TOKENS = (
+    "keep it, called after the step is traced: its `num_tokens` sets the "
+    "round's initial tokens, and without it the coordinator enqueues "
+    "TF1's default (`replicas_to_aggregate`), which wastes a different "
+    "number of steps"
+)
 
 
 def markdown_table() -> str:
