@@ -751,7 +751,8 @@ class FlagChecksTest(parameterized.TestCase):
         from tf2sync._src import flag_checks
 
         class Job:
-            build_model = train_dataset = eval_arrays = staticmethod(len)
+            build_model = eval_arrays = staticmethod(lambda: None)
+            train_dataset = staticmethod(lambda context, batch_size: None)
             LOSS, METRICS = "mse", []
 
         flag_checks.check_job_api(

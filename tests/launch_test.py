@@ -625,6 +625,30 @@ class JobModuleTest(absltest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         self.assertIn("sync_steps_applied=", out.stdout)
 
+    def test_a_job_without_metrics_ends_on_its_loss(self):
+        # Not `accuracy=nan`: the final line shows the job's own metrics,
+        # its loss when it has none.
+        directory = tempfile.mkdtemp()
+        with open(os.path.join(directory, "no_metrics.py"), "w") as f:
+            f.write(
+                "import sys\n"
+                f"sys.path.insert(0, {procutil.TESTS_DIR!r})\n"
+                "from fault_job import *  # noqa\n"
+                "METRICS = []\n"
+            )
+        out = self._script(
+            "--job_module=no_metrics",
+            "--epochs=1",
+            "--steps_per_epoch=2",
+            "--steps_per_execution=1",
+            cwd=directory,
+        )
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        self.assertRegex(
+            out.stdout, r"(?m)^loss=\d\.\d{4} sync_steps_applied=\d+ "
+        )
+        self.assertNotIn("nan", out.stdout)
+
     def test_a_job_module_and_its_flags_in_a_flagfile(self):
         # The job module is imported before absl parses the flags, so the
         # flags it defines can be in the same file.

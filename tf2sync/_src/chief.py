@@ -10,8 +10,9 @@ import time
 import tensorflow as tf
 from absl import logging
 
-from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import checkpointing
+from tf2sync._src import chief_report
+from tf2sync._src import job_contract
 from tf2sync._src import liveness
 from tf2sync._src import processes
 from tf2sync._src import sharding
@@ -79,7 +80,9 @@ def inner_optimizer(job, config: ChiefConfig):
         return tf.keras.optimizers.SGD(rate, momentum=config.momentum)
 
     if hasattr(job, "build_optimizer"):
-        optimizer = job.build_optimizer(config.learning_rate, config.momentum)
+        optimizer = job_contract.call(
+            job, "build_optimizer", config.learning_rate, config.momentum
+        )
         print(
             f"tf2sync: the job's optimizer {type(optimizer).__name__} "
             f"learning_rate={config.learning_rate:g}"
@@ -95,7 +98,7 @@ def _groups_optimizer(job, config: ChiefConfig, optimizer_of_rate):
     group's optimizer `optimizer_of_rate(its rate)`; prints the rates."""
     import tf2sync
 
-    groups = job.optimizer_groups(config.learning_rate)
+    groups = job_contract.call(job, "optimizer_groups", config.learning_rate)
     for description, _, rate in groups:
         print(f"tf2sync: group {description!r} learning_rate={rate:g}")
     return tf2sync.MultiOptimizer(
@@ -181,7 +184,9 @@ def train(resolver, job, config: ChiefConfig):
     retries, it raises a `RuntimeError` naming the task in the error.
 
     Returns:
-      A dict: accuracy, sync_steps_applied, stale_gradients_dropped, seconds.
+      A dict: the job's metrics (`final_metrics`), sync_steps_applied,
+      stale_gradients_dropped, seconds, and `eval`: every value
+      `evaluate` returned.
     """
     ps_hosts = resolver.cluster_spec().as_dict()["ps"]
     retries = 0
@@ -282,12 +287,13 @@ def _train_once(resolver, job, config: ChiefConfig):
     seconds = _fit(model, job, config, steps, shim)
     if shim:  # stop the shim's token watchdog before the cluster goes
         optimizer.make_session_run_hook(is_chief=True).end()
-    metrics = _evaluate(job, model)
-    accuracy = metrics.get("accuracy", float("nan"))
+    metrics = chief_report.evaluate(job, model)
     if shim:
-        totals = _shim_totals(model, accuracy, seconds)
+        totals = chief_report.shim_totals(model, metrics, seconds)
     else:
-        totals = _sync_totals(optimizer, accuracy, seconds, num_workers)
+        totals = chief_report.sync_totals(
+            optimizer, metrics, seconds, num_workers
+        )
     totals["eval"] = metrics
     return totals
 
@@ -312,7 +318,7 @@ def epoch_plan(job, config: ChiefConfig, num_workers: int):
     """
     steps = config.steps_per_epoch
     if not steps:  # the job's `num_train_examples` is only needed here
-        shard = -(-job.num_train_examples() // num_workers)
+        shard = -(-job_contract.call(job, "num_train_examples") // num_workers)
         steps = num_workers * max(1, -(-shard // config.batch_size))
     per_function = config.steps_per_execution
     if per_function is None:
@@ -351,7 +357,7 @@ def _compiled_model(strategy, job, config: ChiefConfig, rta: int, total: int):
     import tf2sync
 
     with strategy.scope():
-        model = job.build_model()
+        model = job_contract.call(job, "build_model")
         optimizer = sync_optimizer(job, config, rta, total)
         model.compile(
             optimizer=optimizer,
@@ -423,14 +429,16 @@ def _fit(model, job, config: ChiefConfig, steps: int, shim: bool) -> float:
         if config.steps_per_epoch
         else tf2sync.OnePassPerEpoch
     )
-    data = creator(lambda ctx: job.train_dataset(ctx, batch))
+    data = creator(
+        lambda ctx: job_contract.call(job, "train_dataset", ctx, batch)
+    )
     if config.data_service:  # an epoch ends with its pass (docs/data.md)
         data = tf2sync.ServicePassPerEpoch(
-            job.train_pass(batch), config.data_service
+            job_contract.call(job, "train_pass", batch), config.data_service
         )
     callbacks, initial_epoch = _callbacks(model, config, shim)
     if hasattr(job, "callbacks"):  # the job's own (benchmarks/chaos.py)
-        callbacks += job.callbacks()
+        callbacks += job_contract.call(job, "callbacks")
     start = time.monotonic()
     model.fit(
         data,
@@ -474,74 +482,3 @@ def _callbacks(model, config: ChiefConfig, shim: bool):
     if config.model_log_dir:
         callbacks.append(tf.keras.callbacks.TensorBoard(config.model_log_dir))
     return callbacks, initial_epoch
-
-
-def _evaluate(job, model):
-    """`model`'s loss and metrics on the job's eval arrays, in a local copy.
-
-    Prints them on one line (`tf2sync: eval loss=... accuracy=...`).
-
-    Returns:
-      A dict of metric name to float, as `evaluate(return_dict=True)`.
-    """
-    x, y = job.eval_arrays()
-    local = job.build_model()
-    local.set_weights(sharding.whole_weights(model.weights))
-    # A new function would wait for a frozen worker (see liveness.py).
-    local.compile(
-        loss=job.LOSS,
-        metrics=list(job.METRICS),
-        run_eagerly=liveness.any_frozen(),
-    )
-    values = local.evaluate(x, y, verbose=0, return_dict=True)
-    metrics = {k: float(v) for k, v in values.items()}
-    print(
-        "tf2sync: eval " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()),
-        flush=True,
-    )
-    return metrics
-
-
-def _shim_totals(model, accuracy, seconds: float):
-    """The TF1 shim's totals, printed and returned."""
-    # TF1's global step (the checkpointed `optimizer.iterations`) counts
-    # every update of this run and of the runs it resumed; the shim does
-    # not count stale gradients (TF1 drops them silently).
-    totals = {
-        "accuracy": float(accuracy),
-        "sync_steps_applied": int(model.optimizer.iterations.numpy()),
-        "seconds": round(seconds, 2),
-    }
-    print(
-        f"accuracy={totals['accuracy']:.4f} "
-        f"sync_steps_applied={totals['sync_steps_applied']}",
-        flush=True,
-    )
-    return totals
-
-
-def _sync_totals(optimizer, accuracy, seconds: float, num_workers: int):
-    """The `SyncOptimizer`'s totals, printed and returned."""
-    counts = callbacks_lib.sync_totals(optimizer)
-    totals = {
-        "accuracy": float(accuracy),
-        "sync_steps_applied": counts["sync_steps"],
-        "stale_gradients_dropped": counts["stale_dropped"],
-        "accepted_per_worker": [
-            counts[f"accepted_w{i}"] for i in range(num_workers)
-        ],
-        "over_plan_dropped": counts["over_plan_dropped"],
-        "seconds": round(seconds, 2),
-    }
-    # Pushes of functions re-run after a fault, dropped once an epoch had
-    # its planned updates (see `Aggregator.plan_updates`).
-    over = totals["over_plan_dropped"]
-    print(
-        f"accuracy={totals['accuracy']:.4f} "
-        f"sync_steps_applied={totals['sync_steps_applied']} "
-        f"stale_gradients_dropped={totals['stale_gradients_dropped']} "
-        f"accepted_per_worker={totals['accepted_per_worker']}"
-        + (f" over_plan_dropped={over}" if over else ""),
-        flush=True,
-    )
-    return totals

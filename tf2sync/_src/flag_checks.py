@@ -18,23 +18,8 @@ import tempfile
 
 from absl import app
 
-# What the chief uses of a job module (`chief.py`); `num_train_examples`
-# only without --steps_per_epoch. The evaluator uses `_EVALUATOR_API`.
-_CHIEF_API = (
-    "build_model",
-    "train_dataset",
-    "eval_arrays",
-    "num_train_examples",
-    "LOSS",
-    "METRICS",
-)
-_EVALUATOR_API = ("build_model", "eval_arrays", "LOSS", "METRICS")
-_FUNCTIONS = {
-    "build_model",
-    "train_dataset",
-    "eval_arrays",
-    "num_train_examples",
-}
+from tf2sync._src import job_contract
+
 _TASK_TYPES = ("chief", "ps", "worker", "evaluator")
 
 
@@ -144,24 +129,11 @@ def _cannot_create_in(directory: str) -> str | None:
 def check_job_api(
     job, name: str, *, evaluator: bool, steps_per_epoch: int | None
 ) -> None:
-    """Refuses a job module that lacks what the chief (or evaluator) uses.
-
-    Names every missing function or constant on one line.
-    """
-    wanted = _EVALUATOR_API if evaluator else _CHIEF_API
-    if steps_per_epoch is not None:
-        wanted = tuple(n for n in wanted if n != "num_train_examples")
-    missing = []
-    for attr in wanted:
-        value = getattr(job, attr, None)
-        if value is None or (attr in _FUNCTIONS and not callable(value)):
-            missing.append(attr + ("()" if attr in _FUNCTIONS else ""))
-    if missing:
-        _refuse(
-            f"--job_module={name}: the module lacks {', '.join(missing)} "
-            f"(a job defines {', '.join(wanted)}; see "
-            "tf2sync/_src/jobs/digits.py)."
-        )
+    """Refuses a job module that does not give what the chief (or the
+    evaluator) uses, in one line (`job_contract.check`)."""
+    job_contract.check(
+        job, name, evaluator=evaluator, steps_per_epoch=steps_per_epoch
+    )
 
 
 def parse_tf_config(text: str) -> dict:

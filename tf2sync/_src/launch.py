@@ -41,6 +41,7 @@ from absl import flags
 from absl import logging
 
 from tf2sync._src import console
+from tf2sync._src import job_contract
 from tf2sync._src import launch_flags
 from tf2sync._src import launch_input
 
@@ -348,8 +349,8 @@ def _evaluate(job):
             exitcode=2,
         )
     checkpointing.evaluate_checkpoints(
-        job.build_model,
-        job.eval_arrays(),
+        lambda: job_contract.call(job, "build_model"),
+        job_contract.call(job, "eval_arrays"),
         job.LOSS,
         job.METRICS,
         launch_flags.CHECKPOINT_DIR.value,
