@@ -8,6 +8,7 @@ import math
 import tempfile
 import time
 
+import numpy as np
 import tensorflow as tf
 import testutil
 from absl.testing import absltest
@@ -184,6 +185,24 @@ class CallbacksTest(absltest.TestCase):
             for hidden in ("accepted_w0", "stale_w1", "barrier_wait", "_epoch"):
                 self.assertNotIn(hidden, line)
             self.assertLess(len(line), 200, line)
+            # tf_keras's verbose-2 line, with counts as integers (its own
+            # printed `sync_steps: 4.0000 - stale_dropped: 0.0000e+00`).
+            self.assertRegex(line, r"^4/4 - \d+s - loss: \d+\.\d{4}(e-\d+)? - ")
+            self.assertRegex(line, r" - sync_steps: [1-9]\d* - ")
+            self.assertRegex(line, r" - stale_dropped: \d+ - ")
+            self.assertRegex(
+                line, r" - \d+(s|ms|us)/epoch - \d+(s|ms|us)/step$"
+            )
+
+    def test_epoch_values_as_a_person_reads_them(self):
+        from tf2sync._src import callbacks as callbacks_lib
+
+        text = callbacks_lib.epoch_value_text
+        self.assertEqual(text(np.int64(176)), "176")
+        self.assertEqual(text(0), "0")
+        self.assertEqual(text(np.float32(0.5)), "0.5000")
+        self.assertEqual(text(0.0), "0.0000e+00")
+        self.assertEqual(text(2730.27724), "2730.2772")
 
     def test_sync_metrics_verbose_shows_every_figure(self):
         lines = self._epoch_lines(
@@ -192,6 +211,7 @@ class CallbacksTest(absltest.TestCase):
         for line in lines:
             for shown in ("accepted_w0", "stale_w1", "barrier_wait_s_epoch"):
                 self.assertIn(shown, line)
+            self.assertRegex(line, r" - accepted_w0: \d+ - ")
 
     def test_another_progress_bar_prints_instead_not_as_well(self):
         # Listed after SyncMetrics, the user's bar prints its logs: every

@@ -86,6 +86,26 @@ def epoch_line(logs: dict) -> dict:
     return {k: v for k, v in logs.items() if shown(k, v)}
 
 
+def epoch_value_text(value) -> str:
+    """A value of the epoch line: a count as an integer, a float as
+    tf_keras's line shows it (4 decimals, or 4 significant digits below
+    1e-3)."""
+    value = getattr(value, "item", lambda: value)()  # NumPy scalars
+    if isinstance(value, (int, bool)):
+        return str(int(value))
+    value = float(value)
+    return f"{value:.4f}" if abs(value) > 1e-3 else f"{value:.4e}"
+
+
+def _duration_text(seconds: float, unit: str) -> str:
+    """tf_keras's `Progbar` time format (`566ms/epoch`, `12ms/step`)."""
+    if seconds >= 1 or seconds == 0:
+        return f"{seconds:.0f}s/{unit}"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.0f}ms/{unit}"
+    return f"{seconds * 1e6:.0f}us/{unit}"
+
+
 class SyncMetrics(tf_keras.callbacks.ProgbarLogger):
     """Exact synchronous-training metrics in the epoch logs.
 
@@ -184,7 +204,24 @@ class SyncMetrics(tf_keras.callbacks.ProgbarLogger):
 
     def on_epoch_end(self, epoch, logs=None):
         self._add_figures(logs)
+        if self.verbose == 2 and logs is not None and self._start is not None:
+            # tf_keras's line would print every count as a float
+            # (`sync_steps: 48.0000 - stale_dropped: 0.0000e+00`).
+            print(self._epoch_text(self._shown(logs)), flush=True)
+            return
         super().on_epoch_end(epoch, self._shown(logs))
+
+    def _epoch_text(self, logs) -> str:
+        """tf_keras's verbose-2 epoch line, with counts as integers."""
+        seconds = time.perf_counter() - self._start[0]
+        steps = self.target or self.seen or 1
+        parts = [f"{steps}/{steps}", f"{seconds:.0f}s"]
+        parts += [f"{k}: {epoch_value_text(v)}" for k, v in logs.items()]
+        parts += [
+            _duration_text(seconds, "epoch"),
+            _duration_text(seconds / steps, "step"),
+        ]
+        return " - ".join(parts)
 
     def _add_figures(self, logs):
         if logs is None or self._start is None:
