@@ -205,15 +205,17 @@ class Loop:
         self.coordinator.join()
 
 
+# The README's one-liner, in TF 2.21's default setting (`tf.keras` is
+# Keras 3, which cannot load tf_keras's files): nothing of tf2sync loaded.
 _PREDICT = """
 import os, sys
-os.environ["TF_USE_LEGACY_KERAS"] = "1"
+os.environ.pop("TF_USE_LEGACY_KERAS", None)
 import numpy as np
-import tensorflow as tf
-assert "tf2sync" not in sys.modules
-model = tf.keras.models.load_model(sys.argv[1], compile=False)
+import tf_keras
+model = tf_keras.models.load_model(sys.argv[1], compile=False)
 x = np.load(sys.argv[2])
 np.save(sys.argv[3], model.predict(x, verbose=0))
+assert not [m for m in sys.modules if m.startswith("tf2sync")], "tf2sync"
 """
 
 
@@ -278,6 +280,7 @@ assert "tf2sync" not in sys.modules
 serve = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
 (out,) = serve(tf.constant(np.load(sys.argv[2]))).values()
 np.save(sys.argv[3], out.numpy())
+assert not [m for m in sys.modules if m.startswith("tf2sync")], "tf2sync"
 """
 
 
