@@ -236,10 +236,23 @@ class JobSetManifestTest(absltest.TestCase):
             [
                 {
                     "from": [{"podSelector": {"matchLabels": selector}}],
-                    "ports": [{"protocol": "TCP", "port": 2222}],
+                    "ports": [
+                        {"protocol": "TCP", "port": 2222},
+                        {"protocol": "TCP", "port": 2300, "endPort": 2363},
+                    ],
                 }
             ],
         )
+        # The tf.data service's ports, as the comment above the policy
+        # says to set them: the dispatcher at --data_service_port, worker
+        # i's at that + 1 + i (launch_flags), for this JobSet's workers.
+        self.assertIn("--data_service_port=2300", deploy_test._read(_JOBSET))
+        data = spec["ingress"][0]["ports"][1]
+        workers = sum(1 for name, *_ in _pods(self.js) if name == "worker")
+        self.assertGreaterEqual(workers, 1)
+        for port in [2300] + [2301 + i for i in range(workers)]:
+            self.assertLessEqual(data["port"], port)
+            self.assertLessEqual(port, data["endPort"])
         for _, _, _, labels, fqdn in _pods(self.js):
             with self.subTest(pod=fqdn):
                 self.assertLessEqual(selector.items(), labels.items())
