@@ -12,6 +12,7 @@ from absl import logging
 
 from tf2sync._src import checkpointing
 from tf2sync._src import chief_report
+from tf2sync._src import config as config_lib
 from tf2sync._src import job_contract
 from tf2sync._src import liveness
 from tf2sync._src import processes
@@ -379,6 +380,9 @@ def _print_plan(config: ChiefConfig, num_workers, num_ps, rta, total, steps):
         f"{config.mixed_precision}" + _partitioner_text(config, num_ps),
         flush=True,
     )
+    note = config_lib.SyncConfig.create(rta, total).backup_note()
+    if note:
+        print(f"tf2sync: {note}", flush=True)
 
 
 def _partitioner_text(config: ChiefConfig, num_ps: int) -> str:

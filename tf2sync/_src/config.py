@@ -56,3 +56,23 @@ class SyncConfig:
     @property
     def num_backup_replicas(self) -> int:
         return max(0, self.total_num_replicas - self.replicas_to_aggregate)
+
+    def backup_note(self) -> str | None:
+        """What backup replicas cost, for the log at start; None without.
+
+        Each update applies the first N fresh pushes; the others of its
+        round arrive tagged with the old step and are dropped as stale. On
+        replicas of equal speed about `(M - N) / M` of the pushes are
+        dropped: the compute paid to not wait for the slowest.
+        """
+        backups = self.num_backup_replicas
+        if not backups:
+            return None
+        total = self.total_num_replicas
+        return (
+            f"{backups} backup replica(s): each update applies the first "
+            f"{self.replicas_to_aggregate} of {total} pushes and the late "
+            f"ones are dropped as stale; on replicas of equal speed about "
+            f"{backups / total:.0%} of the pushes (and their compute) are "
+            "dropped, the price of not waiting for the slowest."
+        )

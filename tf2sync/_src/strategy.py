@@ -201,6 +201,8 @@ class SyncParameterServerStrategy(
         self._sync_config = config_lib.SyncConfig.create(
             replicas_to_aggregate, total_num_replicas
         )
+        if self._sync_config.backup_note():
+            logging.info("tf2sync: %s", self._sync_config.backup_note())
         variable_partitioner = sharding.checked(variable_partitioner)
         if variable_partitioner is not None:
             tf_internals.install_sharded_autocast()  # mixed_float16 layers
