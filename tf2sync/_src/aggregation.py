@@ -314,7 +314,7 @@ class Aggregator(
                     # The ps sets the function up for each worker, at its
                     # first call; Grappler's passes took half of that and
                     # made the push (variables, queues, one switch, one
-                    # cond and the apply) no faster (docs/performance_log.md,
+                    # cond and the apply) no faster (docs/benchmarks.md,
                     # "Measurements behind the code").
                     tf_internals.set_up_without_grappler(result)
             else:
@@ -351,7 +351,7 @@ class Aggregator(
         # Rows go as computed, duplicates included (as stock PSS takes
         # them): the apply sums duplicates once over all the pushes, and a
         # second sum on the worker costs more CPU than the rows it saves
-        # (docs/performance.md, "Measurements behind the code").
+        # (docs/benchmarks.md, "Measurements behind the code").
         sparse = [
             (tf.cast(g.indices, tf.int64), g.values)
             for g in (
@@ -381,7 +381,7 @@ class Aggregator(
         The function takes the critical section itself: the ps sets a
         function up for each caller at its first call, and a call made
         inside the section set it up there, one worker after the other
-        (each call's set-up took about 70 ms on digits).
+        (docs/benchmarks.md, "Measurements behind the code").
         """
         graph = tf.compat.v1.get_default_graph()
         if graph not in self._graphs_with_push:

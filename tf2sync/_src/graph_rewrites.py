@@ -2,7 +2,7 @@
 
 TF offers no public way to change a traced graph, and each rewrite below
 saves a worker<->ps transfer per step that TF's placement would otherwise
-add (docs/performance.md has the measurements):
+add (docs/benchmarks.md, "Measurements behind the code"):
 
 * `PackedReads`: a step's dense variable reads (and forward embedding
   lookups) cross from each ps as one tensor.

@@ -249,9 +249,9 @@ def _stateful_writes(graph, first):
 def _dedups_then_applies(optimizer) -> bool:
     """Whether the optimizer's duplicate-index path only deduplicates.
 
-    tf2sync's aggregated sparse gradients have unique rows already, so for
-    such optimizers the unique-index kernel does the same work without a
-    second unique and segment sum over every row (~10% of W3's step).
+    Aggregated sparse gradients have unique rows already, so the unique-
+    index kernel does the same work without a second unique and segment
+    sum over every row (docs/benchmarks.md, "Measurements behind the code").
     """
     return tf_internals.legacy_sparse_dedup_is_plain(optimizer)
 

@@ -13,15 +13,14 @@ The step's Python runs once: it is traced as a function of its own, and
 each copy in the graph is a copy of that function's ops
 (`tf_internals.inline_copy`), the same ops a new trace would make. A call
 of the function instead would run slower (TF calls it at every step rather
-than inlining it: 0.70-0.76 x the examples/s on w1 and w3), and tracing
-the step again per copy costs a step's trace per copy
-(docs/performance.md, "Time to the first update"). A lone step calls the
-trace (`_TracedOnce.call`): the worker inlined that call when it set the
-function up, which ran as fast as with a copy. Functions that repeat
-the same step can share that trace through a `StepTraces`: `fit`'s
-function of K steps, the single-step function its first call and an
-epoch's last, shorter call run (`Trainer`'s first loop too), and the
-pieces of a call split over the workers.
+than inlining it), and tracing the step again per copy costs a step's trace
+per copy (docs/benchmarks.md, "Measurements behind the code"). A lone step
+calls the trace (`_TracedOnce.call`): the worker inlined that call when it
+set the function up, which ran as fast as with a copy. Functions that
+repeat the same step can share that trace through a `StepTraces`: `fit`'s
+function of K steps, the single-step function its first call and an epoch's
+last, shorter call run (`Trainer`'s first loop too), and the pieces of a
+call split over the workers.
 """
 
 from __future__ import annotations
@@ -157,7 +156,7 @@ def waits_for_first_step(cluster_resolver, single_steps: int) -> bool:
     this process may use (its affinity, capped by its cgroup's CPU quota;
     ps tasks are not counted: they set up little), and where single steps
     remain once each worker has run one (otherwise the workers would only
-    wait for the trace; docs/performance.md, "Time to the first update").
+    wait for the trace; docs/benchmarks.md, "Measurements behind the code").
 
     Args:
       cluster_resolver: The strategy's `ClusterResolver`, or None (a
@@ -244,8 +243,8 @@ class StepTraces:
     `repeat` traces its step once per function; given the same
     `StepTraces`, a second function copies the first one's trace instead
     (`fit`'s and `Trainer`'s full function after their first call's
-    single steps: on the digits job a second trace took 0.76 s of the
-    first epoch; the pieces of a call `fit` splits over the workers). A
+    single steps, whose second trace the first epoch would wait for; the
+    pieces of a call `fit` splits over the workers). A
     trace serves another function when it takes the same kinds of carry
     and inputs and captured nothing of the function it was traced in (only
     variables and other values from outside it); otherwise that function
@@ -324,10 +323,10 @@ class _TracedOnce:
 
         For a lone step (the single-step function `fit` and `Trainer` start
         on): copying a large step's ops took as long again as a fifth of
-        its trace (ResNet-50: 0.3-0.4 s of about 2.2 s), and the worker
-        inlines the call when it sets the function up, so the function runs
-        as fast as with a copy (docs/performance_log.md, "A lone step
-        calls its trace"). Copies repeat the step in one graph instead.
+        its trace, and the worker inlines the call when it sets the
+        function up, so the function runs as fast as with a copy
+        (docs/benchmarks.md, "Measurements behind the code"). Copies
+        repeat the step in one graph instead.
         """
         return self._concrete(*self._arguments(carry, inputs))
 

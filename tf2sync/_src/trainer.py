@@ -98,10 +98,9 @@ class Trainer:
             `steps_per_loop` steps. A `tf.while_loop` whose body runs on
             the worker and on the ps sends the loop's control to the ps
             every iteration; repeating the step in the traced graph
-            instead measured 1.4-1.7 x the steps per second on the w1 MLP
-            (`docs/performance.md`), at the cost of tracing the step once
-            per copy and of ps memory (on the w3 embedding, 10 copies grew
-            the ps by ~5 MB per worker beyond stock PSS, ~3 MB with one).
+            instead is faster for small and medium models, at the cost of
+            a larger function to set up and of ps memory per copy
+            (docs/performance.md, "Which option to pick").
             None (the default): the step is repeated in groups of up to
             `options.max_unrolled_steps` (10 by default) copies, and a
             `tf.while_loop` runs the groups when

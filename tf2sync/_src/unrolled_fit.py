@@ -29,21 +29,18 @@ def unroll_fit_steps(model, enabled: bool = True):
     function's steps once they all succeeded, and the sync counters
     (`sync_steps`, `stale_dropped`, ...) are read from the ps when the logs
     are fetched (at the end of an epoch, after its `join`: exact) rather
-    than returned by every push. On the w1 MLP (2 workers + 1 ps, 2 cores)
-    `fit` measured 1.9-2.3 x the examples per second of tf_keras's loop,
-    and on the w3 embedding 1.2-1.5 x, in the last six harness runs
-    (`docs/benchmarks.md`).
+    than returned by every push. How much faster than tf_keras's loop:
+    docs/performance.md, "Which option to pick".
 
     Under `tf2sync.SyncParameterServerStrategy`, `fit` does this by
     default (from its first call on the model), unless the model's class
     overrides `make_train_function` or this was called with
     `enabled=False`. Call it to choose: `enabled=False` keeps tf_keras's
     loop, for large models, where tracing time counts and the loop's cost
-    does not. The cost of repeating: tracing takes up to 10 times longer (a
-    ResNet-50 step: ~10 s instead of ~2 s to the first call), and the ps
-    holds more of the step for each worker (the repeated pushes call one
-    function, the rest is copied per step: on the w3 embedding, ~5 MB
-    more per worker than stock PSS at 10 steps, ~3 MB in a loop).
+    does not. The cost of repeating: a larger function to set up (up to
+    10 copies of the step), and the ps holds more of the step for each
+    worker (the repeated pushes call one function, the rest is copied per
+    step; docs/performance.md, "Memory").
 
     Only `fit` through a `ClusterCoordinator` changes: without one (no
     ParameterServerStrategy), `fit` runs tf_keras's own function. Call it
@@ -231,11 +228,9 @@ def _pieces(steps, handler, coordinator, first, group) -> list:
     - An epoch's last call, its steps within one group, runs as single-step
       functions: the workers set up the one-step function once (the first
       call's, where it ran on single steps) and no function of the last
-      call's length, which the first epoch would wait for. On digits (46
-      steps of 10, 2 workers) the first epoch took 1.44 s rather than
-      1.73 s and each later one 0.11 s rather than 0.095 s (medians of 9;
-      docs/performance.md): a one-off set-up, which grows with the model,
-      for a few dispatches per epoch.
+      call's length, which the first epoch would wait for. It trades a
+      one-off set-up, which grows with the model, for a few dispatches per
+      epoch (docs/benchmarks.md, "Measurements behind the code").
     - Otherwise the call is split over the workers: its steps run side by
       side rather than on one worker while the others wait for the epoch's
       end. E.g. 6 steps on 2 workers: 3 + 3; 7: 4 + 3.
@@ -296,7 +291,7 @@ def steps_per_execution_on_coordinator(model, handler) -> None:
     fixed when traced, and tf_keras's loop takes the value as an argument,
     read when the function is scheduled. The same value in a variable of the
     coordinator takes those round trips off the ps and the coordinator
-    (in-process, 2 workers: `fit` 1.14 x examples/s on w1, 1.16 x on w3).
+    (docs/benchmarks.md, "Measurements behind the code").
     `handler` is the data handler being built: it holds the variable too.
     With `steps_per_execution="auto"` the tuner holds it as well, and
     nothing moves.

@@ -47,8 +47,8 @@ def _arrays():
 
     Read from the file scikit-learn ships (`datasets/data/digits.csv.gz`,
     what `load_digits` reads: 64 pixels and the label per row) without
-    importing scikit-learn, whose import (scipy.stats with it) took
-    0.5-0.9 s of the chief's start; `load_digits` where the file is not
+    importing scikit-learn, whose import (scipy.stats with it) is a large
+    part of the chief's start; `load_digits` where the file is not
     there. Cached: each worker's `train_dataset` and `eval_arrays` use it.
     """
     table = _digits_table()

@@ -37,8 +37,8 @@ class CountersMixin:
     def totals(self) -> dict:
         """The counters, read on the ps by one function: one round trip.
 
-        Read one by one they took ten or more (~4 ms each here), two or
-        three times per `fit` epoch. Keys: `sync_steps`, `stale_dropped`,
+        Read one by one they took ten or more round trips, two or three
+        times per `fit` epoch. Keys: `sync_steps`, `stale_dropped`,
         `nonfinite_dropped`, `barrier_wait_s`, `accepted`,
         `over_plan_dropped`, and per worker i `accepted_w<i>`, `stale_w<i>`.
         Counts are exact below 2**53 (they cross as one float64 vector).
