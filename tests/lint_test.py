@@ -17,8 +17,9 @@ except ImportError:  # Python 3.10
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The one module of tf2sync that may use private TensorFlow / tf_keras API.
-_TF_INTERNALS = "tf2sync/_src/tf_internals.py"
+# The one package of tf2sync whose modules may use private TensorFlow /
+# tf_keras API.
+_INTERNALS = "tf2sync/_src/internals/"
 
 # An import of a private TF / tf_keras path: `from tensorflow.python...`,
 # `import tensorflow.python... [as ...]`, `from tensorflow import python`,
@@ -159,13 +160,13 @@ class LintTest(absltest.TestCase):
         out = self._run("check", ".")
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
 
-    def test_only_tf_internals_imports_private_tf_paths(self):
+    def test_only_internals_import_private_tf_paths(self):
         found = {}
         for path in glob.glob(
             os.path.join(_ROOT, "tf2sync/**/*.py"), recursive=True
         ):
             name = os.path.relpath(path, _ROOT).replace(os.sep, "/")
-            if name == _TF_INTERNALS:
+            if name.startswith(_INTERNALS):
                 continue
             with open(path) as f:
                 lines = private_imports(f.read())
@@ -175,8 +176,8 @@ class LintTest(absltest.TestCase):
             found,
             {},
             "These modules import private TensorFlow / tf_keras paths "
-            "(tensorflow.python, tf_keras.src): add a function to "
-            f"{_TF_INTERNALS} and call it instead (file: line numbers).",
+            "(tensorflow.python, tf_keras.src): add a function to a module of "
+            f"{_INTERNALS} and call it instead (file: line numbers).",
         )
 
     def test_private_import_pattern(self):
@@ -244,12 +245,15 @@ class LintTest(absltest.TestCase):
             for src in srcs:
                 with open(os.path.join(_ROOT, src)) as f:
                     text = f.read()
-                for module in re.findall(
-                    r"^[ \t]*from tf2sync\._src import (\w+)", text, re.M
+                for package, module in re.findall(
+                    r"^[ \t]*from tf2sync\._src(\.internals)? import (\w+)",
+                    text,
+                    re.M,
                 ):
+                    where = "tf2sync/_src" + package.replace(".", "/")
                     target = owner.get(
-                        f"tf2sync/_src/{module}.py",
-                        owner.get(f"tf2sync/_src/{module}/__init__.py"),
+                        f"{where}/{module}.py",
+                        owner.get(f"{where}/{module}/__init__.py"),
                     )
                     if target not in (None, name) and target not in deps:
                         missing.setdefault(name, set()).add(target)
