@@ -4,7 +4,7 @@ TensorFlow or tf_keras subsystem it touches.
 No module of tf2sync outside this package imports `tensorflow.python` or
 `tf_keras.src` (`tests/lint_test.py` checks) or reads a private attribute
 of a TF or tf_keras object, and none outside `patches` replaces a TF or
-tf_keras function, method or class. Each
+tf_keras function, method or class (`tests/patches_test.py` checks). Each
 name here says (a) the public API it stands in for, or why there is none,
 and (b) the versions it was checked on, as a tag:
 

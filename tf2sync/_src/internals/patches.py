@@ -3,7 +3,8 @@
 A patch replaces what TF or tf_keras code looks up: a function of a
 module, a method of a class, a method of one object (an instance attribute
 shadowing its class's, or replacing the object's own), or the class of an
-object. Only this module makes such a replacement. Each patch has an idempotent
+object. Only this module makes such a replacement (`tests/patches_test.py`
+scans tf2sync's source for one elsewhere). Each patch has an idempotent
 `install` (twice is once) and an `uninstall` that puts back the very
 objects it replaced, and says what it replaces (`replaces`), why (`why`),
 the versions it was checked on (`versions`, tagged as in the package's
