@@ -38,4 +38,6 @@ is in this package:
 * `runtime`: whether this process started TensorFlow's runtime.
 * `patches`: every runtime patch tf2sync installs into TF or tf_keras,
   each with `install` and `uninstall`, in one registry.
+* `fingerprints`: hashes of the TF and tf_keras sources tf2sync copies
+  (`tests/fingerprints_test.py` checks them).
 """

@@ -5,7 +5,8 @@ coordinator's queue, for another worker to run. No public API moves a
 closure: `patches.closure_tracking` replaces each worker's
 `_process_closure` with `process_tracked`, a copy of TF's own
 `Worker._process_closure` [2.21] [2.15: the same] that records the closure
-running.
+running (`COPIED_SOURCES` fingerprints the source it copies, see
+`tests/fingerprints_test.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from __future__ import annotations
 import threading
 
 import tensorflow as tf
+from tensorflow.python.distribute.coordinator import (
+    cluster_coordinator as coordinator_lib,
+)
+
+from tf2sync._src.internals import fingerprints
 
 
 def take_over_closure(coordinator, index: int) -> bool:
@@ -114,3 +120,32 @@ def tracked_process_closure(worker):
 def untrack(worker) -> None:
     """`take_over_closure` finds nothing to move on `worker` from now on."""
     del worker._tf2sync_lock
+
+
+# The TF source `process_tracked` copies (see `fingerprints`).
+COPIED_SOURCES = (
+    fingerprints.CopiedSource(
+        original=coordinator_lib.Worker._process_closure,
+        name="tensorflow.python.distribute.coordinator.cluster_coordinator."
+        "Worker._process_closure",
+        copy="internals.closures.process_tracked",
+        recheck="that process_tracked does what it does, plus the record of "
+        "the closure running: the same `wait_on_failure` callbacks, "
+        "`execute_on`, the output fetch, `mark_finished`, the error log, "
+        "`_set_error` and `mark_failed`",
+        package="tensorflow",
+        hashes={"2.21": "859ce2d4581b4f40"},
+    ),
+    fingerprints.CopiedSource(
+        original=coordinator_lib.Worker._on_closure_failure,
+        name="tensorflow.python.distribute.coordinator.cluster_coordinator."
+        "Worker._on_closure_failure",
+        copy="internals.closures.process_tracked's on_failure",
+        recheck="that the end of process_tracked's `on_failure` (a closure "
+        "taken over) is still the rest of that method: under "
+        "`_resource_tracking_lock`, `_is_dead_with_error` and "
+        "`_set_resources_aborted`",
+        package="tensorflow",
+        hashes={"2.21": "0ac7640bc0a26059"},
+    ),
+)

@@ -24,6 +24,7 @@ from tensorflow.python.eager import context as eager_context
 from tensorflow.python.eager import executor as eager_executor
 
 from tf2sync._src.internals import autograph
+from tf2sync._src.internals import fingerprints
 
 
 def strategy_coordinator(strategy):
@@ -163,6 +164,45 @@ def worker_slice_specs(structure, worker: int = 0):
         coordinator_lib._maybe_as_type_spec,
         coordinator_lib._select_worker_slice(worker, structure),
     )
+
+
+def _copied(method, recheck, digest):
+    return fingerprints.CopiedSource(
+        original=method,
+        name="tensorflow.python.distribute.coordinator." + method.__qualname__,
+        copy="internals.cluster_coordinator._IndexedPerWorkerDataset",
+        recheck=recheck,
+        package="tensorflow",
+        hashes={"2.21": digest},
+    )
+
+
+# The TF sources `_IndexedPerWorkerDataset` copies (see `fingerprints`).
+COPIED_SOURCES = (
+    _copied(
+        coordinator_values.PerWorkerDatasetFromDatasetFunction.__init__,
+        "its __init__: variables refused while tracing (`_no_variables`), "
+        "the attributes it sets",
+        "a2f8c6ccbbb0554d",
+    ),
+    _copied(
+        coordinator_values.PerWorkerDatasetFromDatasetFunction.build,
+        "its build: one resource per worker, the datasets' type spec",
+        "38b63edbdddeb46d",
+    ),
+    _copied(
+        coordinator_values.PerWorkerDatasetFromDatasetFunction.__iter__,
+        "its __iter__: the eager-only check, the iterators' type spec, "
+        "the `PerWorkerDistributedIterator` returned",
+        "e3047700203efb21",
+    ),
+    _copied(
+        coordinator_lib.ClusterCoordinator._create_per_worker_resources,
+        "its _per_worker: one `create_resource` per worker, in order, "
+        "wrapped in `PerWorkerValues`",
+        "f8b3e78316b0e559",
+    ),
+)
 
 
 def closure_queue(coordinator):
