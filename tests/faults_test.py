@@ -450,7 +450,7 @@ class FastRecoveryTest(absltest.TestCase):
 
     def _frozen_worker_function_runs_elsewhere(self, declared_first):
         from tf2sync._src import liveness
-        from tf2sync._src import tf_internals
+        from tf2sync._src.internals import closures
 
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
@@ -503,7 +503,7 @@ class FastRecoveryTest(absltest.TestCase):
             self.assertEqual(int(runs.numpy()), 3)
             self.assertEqual([int(r.fetch()) for r in results], [7, 7])
             self.assertTrue(coordinator.done())
-            self.assertFalse(tf_internals.take_over_closure(coordinator, 1))
+            self.assertFalse(closures.take_over_closure(coordinator, 1))
         finally:
             monitor.stop()
             frozen.clear()

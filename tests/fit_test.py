@@ -13,8 +13,8 @@ from absl.testing import parameterized
 import tf2sync
 from tf2sync._src import coordinator as sync_coordinator
 from tf2sync._src import loops
-from tf2sync._src import tf_internals
 from tf2sync._src import unrolled_fit
+from tf2sync._src.internals import ps_strategy
 
 
 def _reference(x, y, steps, opt_fn, model_fn=testutil.dense_model):
@@ -359,7 +359,7 @@ class FitTest(parameterized.TestCase):
             self.assertEqual(events, [1] * 5 + waited + [5])
             self.assertEqual(int(model.optimizer.iterations.numpy()), 5)
             # Asked with the cluster's resolver and the first call's steps.
-            resolver = tf_internals.cluster_resolver(model.distribute_strategy)
+            resolver = ps_strategy.cluster_resolver(model.distribute_strategy)
             self.assertLen(resolver.cluster_spec().job_tasks("worker"), 2)
             waits.assert_called_once_with(resolver, 5)
             # A later fit waits for nothing of this one.

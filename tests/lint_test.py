@@ -17,8 +17,9 @@ except ImportError:  # Python 3.10
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The one module of tf2sync that may use private TensorFlow / tf_keras API.
-_TF_INTERNALS = "tf2sync/_src/tf_internals.py"
+# The one package of tf2sync whose modules may use private TensorFlow /
+# tf_keras API.
+_INTERNALS = "tf2sync/_src/internals/"
 
 # An import of a private TF / tf_keras path: `from tensorflow.python...`,
 # `import tensorflow.python... [as ...]`, `from tensorflow import python`,
@@ -119,6 +120,121 @@ def import_cycle(graph):
     return None
 
 
+# The modules that may patch TensorFlow / tf_keras: the registry and the
+# kinds of patch it installs.
+_PATCHES = (
+    "tf2sync/_src/internals/patches.py",
+    "tf2sync/_src/internals/patch_kinds.py",
+)
+
+# tf_keras's slots for the functions a model makes (`make_train_function`
+# sets `train_function`): data, set by tf2sync's train function maker as by
+# tf_keras's, not methods replaced.
+_FUNCTION_SLOTS = frozenset(
+    ("train_function", "train_tf_function", "test_function", "predict_function")
+)
+
+
+def _tf_names(tree):
+    """The names a module binds to TensorFlow / tf_keras modules (or to
+    what it imports from them)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in ("tensorflow", "tf_keras"):
+                    names.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] in ("tensorflow", "tf_keras"):
+                names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def _root(node):
+    """The name an attribute chain (`a.b.c`) starts from, or None."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def patch_sites(text):
+    """`[(line, source)]`: where `text` (a module) replaces something of
+    TensorFlow or tf_keras at run time: an attribute of a TF / tf_keras
+    module or class set or deleted (`tf.x = ...`, `setattr(tf.x, ...)`),
+    an object's class swapped (`x.__class__ = ...`), or a method of one
+    object replaced by a function (`x.method = lambda ...`, or a function
+    defined in the module, or what a function of the module that returns
+    one of its nested functions returns) or deleted (`del x.method`).
+    `self`'s and `cls`'s attributes, tf2sync's own marks (`_tf2sync_*`)
+    and tf_keras's `_FUNCTION_SLOTS` are left out."""
+    tree = ast.parse(text)
+    tf_names = _tf_names(tree)
+    defs = {}  # function name -> the names of the functions nested in it
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defs[node.name] = {
+                n.name
+                for n in node.body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            }
+
+    def makes_function(value):
+        if isinstance(value, ast.Lambda):
+            return True
+        if isinstance(value, ast.Name):
+            return value.id in defs
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+            return bool(defs.get(value.func.id))  # a factory of functions
+        return False
+
+    def ours(target):
+        return (
+            _root(target.value) in ("self", "cls")
+            or target.attr.startswith("_tf2sync")
+            or target.attr in _FUNCTION_SLOTS
+        )
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = getattr(node, "targets", None) or [node.target]
+            for target in targets:
+                if not isinstance(target, ast.Attribute):
+                    continue
+                if _root(target) in tf_names or target.attr == "__class__":
+                    found.append(node)
+                elif ours(target):
+                    continue
+                elif isinstance(node, ast.Delete) or makes_function(node.value):
+                    found.append(node)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")
+            and node.args
+            and _root(node.args[0]) in tf_names
+        ):
+            found.append(node)
+    return sorted({(n.lineno, ast.unparse(n)) for n in found})
+
+
+def patch_sites_outside_patches(root):
+    """`{file: [(line, source)]}`: `patch_sites` of tf2sync's modules other
+    than `_PATCHES`."""
+    found = {}
+    for path in glob.glob(
+        os.path.join(root, "tf2sync/**/*.py"), recursive=True
+    ):
+        name = os.path.relpath(path, root).replace(os.sep, "/")
+        if name in _PATCHES:
+            continue
+        with open(path) as f:
+            sites = patch_sites(f.read())
+        if sites:
+            found[name] = sites
+    return found
+
+
 class LintTest(absltest.TestCase):
     def _run(self, *args):
         ruff = _ruff()
@@ -146,6 +262,62 @@ class LintTest(absltest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr[-2000:])
         self.assertEqual(out.stdout.strip(), "None")
 
+    def _fresh(self, code):
+        """What `code` prints, run with this module in a fresh interpreter
+        (see `test_no_import_cycle_in_tf2sync`)."""
+        out = subprocess.run(
+            [sys.executable, "-c", code, os.path.dirname(__file__), _ROOT],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+        return out.stdout.strip()
+
+    def test_only_the_patches_module_patches_tf(self):
+        # Every runtime patch of TensorFlow / tf_keras goes through the
+        # registry of tf2sync/_src/internals/patches.py (tests/patches_test.py
+        # checks each one's install and uninstall).
+        found = self._fresh(
+            "import sys; sys.path.insert(0, sys.argv[1]); import lint_test; "
+            "print(lint_test.patch_sites_outside_patches(sys.argv[2]))"
+        )
+        self.assertEqual(
+            found,
+            "{}",
+            "These modules patch TensorFlow / tf_keras at run time (file: "
+            "[(line, code)]): add the patch to "
+            f"{_PATCHES[0]}'s REGISTRY and install it from there.",
+        )
+
+    def test_the_patch_finder_finds_patches(self):
+        code = (
+            "from tf_keras.src.engine import base_layer\n"
+            "import tensorflow as tf\n"
+            "def hooked(x):\n"
+            "    pass\n"
+            "def factory(model):\n"
+            "    def made():\n"
+            "        pass\n"
+            "    return made\n"
+            "base_layer.Layer.save_own_variables = hooked\n"
+            "setattr(tf.keras.Model, 'fit', hooked)\n"
+            "var.__class__ = Other\n"
+            "worker._process_closure = lambda closure: None\n"
+            "queue.mark_failed = hooked\n"
+            "model.make_train_function = factory(model)\n"
+            "del model.make_train_function\n"
+            "self.fn = lambda: None\n"
+            "worker._tf2sync_lock = lock\n"
+            "var._cache = None\n"
+            "model.train_function = factory\n"
+        )
+        found = self._fresh(
+            "import sys; sys.path.insert(0, sys.argv[1]); import lint_test; "
+            f"print([n for n, _ in lint_test.patch_sites({code!r})])"
+        )
+        self.assertEqual(found, str(list(range(9, 16))))
+
     def test_the_cycle_finder_finds_a_cycle(self):
         graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
         self.assertEqual(import_cycle(graph), ["a", "b", "c", "a"])
@@ -159,13 +331,13 @@ class LintTest(absltest.TestCase):
         out = self._run("check", ".")
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
 
-    def test_only_tf_internals_imports_private_tf_paths(self):
+    def test_only_internals_import_private_tf_paths(self):
         found = {}
         for path in glob.glob(
             os.path.join(_ROOT, "tf2sync/**/*.py"), recursive=True
         ):
             name = os.path.relpath(path, _ROOT).replace(os.sep, "/")
-            if name == _TF_INTERNALS:
+            if name.startswith(_INTERNALS):
                 continue
             with open(path) as f:
                 lines = private_imports(f.read())
@@ -175,8 +347,8 @@ class LintTest(absltest.TestCase):
             found,
             {},
             "These modules import private TensorFlow / tf_keras paths "
-            "(tensorflow.python, tf_keras.src): add a function to "
-            f"{_TF_INTERNALS} and call it instead (file: line numbers).",
+            "(tensorflow.python, tf_keras.src): add a function to a module of "
+            f"{_INTERNALS} and call it instead (file: line numbers).",
         )
 
     def test_private_import_pattern(self):
@@ -244,12 +416,15 @@ class LintTest(absltest.TestCase):
             for src in srcs:
                 with open(os.path.join(_ROOT, src)) as f:
                     text = f.read()
-                for module in re.findall(
-                    r"^[ \t]*from tf2sync\._src import (\w+)", text, re.M
+                for package, module in re.findall(
+                    r"^[ \t]*from tf2sync\._src(\.internals)? import (\w+)",
+                    text,
+                    re.M,
                 ):
+                    where = "tf2sync/_src" + package.replace(".", "/")
                     target = owner.get(
-                        f"tf2sync/_src/{module}.py",
-                        owner.get(f"tf2sync/_src/{module}/__init__.py"),
+                        f"{where}/{module}.py",
+                        owner.get(f"{where}/{module}/__init__.py"),
                     )
                     if target not in (None, name) and target not in deps:
                         missing.setdefault(name, set()).add(target)

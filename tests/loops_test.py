@@ -15,7 +15,7 @@ from absl.testing import parameterized
 import tf2sync  # noqa: F401 - sets TF_USE_LEGACY_KERAS, as users import it
 from tf2sync._src import loops
 from tf2sync._src import step_context
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import graph_copy
 
 
 class RepeatTest(parameterized.TestCase):
@@ -213,7 +213,7 @@ class RepeatTest(parameterized.TestCase):
         # import's own placing costs ~0.1 ms of Python per op); under a
         # device scope the import places them. Either way, as it would.
         with mock.patch.object(
-            tf_internals, "_device_or_colocation_scope", return_value=True
+            graph_copy, "_device_or_colocation_scope", return_value=True
         ):
             expected_value, expected, _ = self._placed_copies(outer)
         value, placed, here = self._placed_copies(outer)

@@ -8,7 +8,7 @@ import testutil
 from absl.testing import absltest
 
 import tf2sync
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import ps_variables
 
 
 def _two_towers():
@@ -369,7 +369,7 @@ class SlotTest(absltest.TestCase):
                 kernels.get_slot(shard, "momentum"),
             )
         kernel = model.layers[-1].kernel
-        for shard in tf_internals.shards([kernel]):
+        for shard in ps_variables.shards([kernel]):
             self.assertIs(
                 opt.get_slot(shard, "momentum"),
                 rest.get_slot(shard, "momentum"),

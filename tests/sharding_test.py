@@ -27,7 +27,7 @@ from absl.testing import parameterized
 import tf2sync
 from tf2sync._src import sharding
 from tf2sync._src import step_context
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import ps_variables
 
 # Long: the suite's longest file (about 9 minutes on 2 cores); run by
 # `pytest -m slow` and CI.
@@ -499,7 +499,7 @@ class CheckpointTest(parameterized.TestCase):
                     [inner.get_slot(part, name).numpy() for part in parts]
                 )
                 for name in inner.get_slot_names()
-                for _, parts in tf_internals.group_shards(model.weights)
+                for _, parts in ps_variables.group_shards(model.weights)
             ]
         out = []
         for var in inner.variables():

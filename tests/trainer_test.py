@@ -15,9 +15,9 @@ from absl.testing import parameterized
 
 import tf2sync
 from tf2sync._src import loops
-from tf2sync._src import tf_internals
 from tf2sync._src import trainer as trainer_lib
 from tf2sync._src import trainer_checks
+from tf2sync._src.internals import ps_strategy
 
 _X, _Y = testutil.data("dense", 32)
 
@@ -266,7 +266,7 @@ class TrainerTest(parameterized.TestCase):
         ):
             trainer.train(_dataset_fn, epochs=1, steps_per_epoch=12)
         # Asked with the cluster's resolver and the first loop's steps.
-        resolver = tf_internals.cluster_resolver(strategy)
+        resolver = ps_strategy.cluster_resolver(strategy)
         self.assertLen(resolver.cluster_spec().job_tasks("worker"), 2)
         waits.assert_called_once_with(resolver, 4)
         # Then fetched again with the epoch's losses.

@@ -21,11 +21,11 @@ from tf2sync import testing  # noqa: E402
 from tf2sync._src import loss_scale as _loss_scale  # noqa: E402
 
 _loss_scale.install()
-from tf2sync._src import tf_internals as _tf_internals  # noqa: E402
+from tf2sync._src.internals import patches as _patches  # noqa: E402
 
 # tf2sync's own code runs as written inside the user's traced steps, as
-# TensorFlow's does (see tf_internals, "AutoGraph").
-_tf_internals.skip_autograph_for_tf2sync()
+# TensorFlow's does (see tf2sync/_src/internals/autograph.py).
+_patches.autograph_skips_tf2sync.install()
 from tf2sync._src.callbacks import SyncMetrics  # noqa: E402
 from tf2sync._src.coordinator import OnePassPerEpoch  # noqa: E402
 from tf2sync._src.data_service import ServicePassPerEpoch  # noqa: E402

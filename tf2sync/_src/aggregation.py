@@ -54,8 +54,8 @@ import tensorflow as tf
 from tf2sync._src import barrier as barrier_lib
 from tf2sync._src import graph_rewrites
 from tf2sync._src import loops
-from tf2sync._src import tf_internals
 from tf2sync._src import wire as wire_lib
+from tf2sync._src.internals import graph_ops
 from tf2sync._src.sync import applying
 from tf2sync._src.sync import commit
 from tf2sync._src.sync import counters
@@ -301,7 +301,7 @@ class Aggregator(
             {"tag": tag, **wire.inputs()}, layout, self.device
         )
         for op, value in zip(riders, wire.riders(inputs["tensor"])):
-            tf_internals.update_op_input(op, 1, value)
+            graph_ops.update_op_input(op, 1, value)
         if self._scale_out is not None:
             inputs = self._stage(inputs, check_finite)
         function = self._repeated_push_function(
@@ -316,7 +316,7 @@ class Aggregator(
                     # made the push (variables, queues, one switch, one
                     # cond and the apply) no faster (docs/benchmarks.md,
                     # "Measurements behind the code").
-                    tf_internals.set_up_without_grappler(result)
+                    graph_ops.set_up_without_grappler(result)
             else:
                 result = self._in_section(
                     "push",

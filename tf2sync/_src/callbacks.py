@@ -8,7 +8,7 @@ import time
 import tensorflow as tf
 import tf_keras
 
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import keras_training
 
 
 def _is_sync_optimizer(optimizer) -> bool:
@@ -177,7 +177,7 @@ class SyncMetrics(tf_keras.callbacks.ProgbarLogger):
         # per epoch, not two.
         if any(
             isinstance(c, tf_keras.callbacks.ProgbarLogger) and c is not self
-            for c in tf_internals.running_fit_callbacks(self.model)
+            for c in keras_training.running_fit_callbacks(self.model)
         ):
             self.verbose = 0
         super().on_train_begin(logs)

@@ -14,9 +14,13 @@ import tensorflow as tf
 
 from tf2sync._src import data_service
 from tf2sync._src import step_context
-from tf2sync._src import tf_internals
 from tf2sync._src import unrolled_fit
 from tf2sync._src import watchdog
+from tf2sync._src.internals import autograph
+from tf2sync._src.internals import cluster_coordinator
+from tf2sync._src.internals import keras_fit
+from tf2sync._src.internals import patches
+from tf2sync._src.internals import ps_strategy
 
 
 class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
@@ -54,8 +58,8 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             self._wrapped = weakref.WeakKeyDictionary()
             self._planned = None  # functions under the current cap
             self._plan_run = None  # (weakref to the run, base, pushes)
-            tf_internals.on_worker_failure(self, _worker_failed)
-            tf_internals.on_function_error(self, _function_failed)
+            patches.worker_failure_hook.install(self, _worker_failed)
+            patches.function_error_hook.install(self, _function_failed)
 
     def create_per_worker_dataset(self, dataset_fn):
         """See base class. On CPU workers, without the per-device iterator.
@@ -74,19 +78,19 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
         """
         if data_service.is_pass_dataset_fn(dataset_fn):
             return super().create_per_worker_dataset(dataset_fn)
-        if tf_internals.num_gpus_per_worker(self.strategy) == 0:
+        if ps_strategy.num_gpus_per_worker(self.strategy) == 0:
             dataset_fn = _single_pipeline(dataset_fn)
         # The data handler of a `fit` or `evaluate` building its input
         # (exact evaluation's subclass aside), before `fit` makes its train
         # function: otherwise `fit` keeps tf_keras's loop (slower, not wrong).
-        handler = tf_internals.caller_self_of_type(
+        handler = keras_fit.caller_self_of_type(
             "_ClusterCoordinatorDataHandler"
         )
-        model = tf_internals.data_handler_model(handler)
+        model = keras_fit.data_handler_model(handler)
         if isinstance(
-            tf_internals.data_handler_dataset_creator(handler), OnePassPerEpoch
+            keras_fit.data_handler_dataset_creator(handler), OnePassPerEpoch
         ):
-            tf_internals.new_iterator_each_epoch(handler)
+            patches.new_iterator_each_epoch.install(handler)
         if model is not None:
             _check_not_jit_compiled(model)
             _check_validation_input(model)
@@ -94,7 +98,7 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             unrolled_fit.steps_per_execution_on_coordinator(model, handler)
             # fit makes its train function next: repeat its steps.
             unrolled_fit.repeat_by_default(model)
-        creator = tf_internals.data_handler_dataset_creator(handler)
+        creator = keras_fit.data_handler_dataset_creator(handler)
         if isinstance(
             creator, data_service.ServicePassPerEpoch
         ) and not data_service.is_pass_dataset_fn(dataset_fn):
@@ -115,16 +119,20 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
                 # As stock PSS's top-level tf.function, the user's function
                 # is converted by AutoGraph, this wrapper is not.
                 with step_context.DatasetWorkerScope(worker):
-                    return tf_internals.convert_as_caller(dataset_fn)()
+                    return autograph.convert_as_caller(dataset_fn)()
 
             return traced
 
-        return tf_internals.indexed_per_worker_dataset(self, dataset_fn_of)
+        return cluster_coordinator.indexed_per_worker_dataset(
+            self, dataset_fn_of
+        )
 
     def _ids(self):
         if self._worker_ids is None:
             ids = []
-            for i, worker in enumerate(tf_internals.coordinator_workers(self)):
+            for i, worker in enumerate(
+                cluster_coordinator.coordinator_workers(self)
+            ):
                 index = tf.function(
                     lambda i=i: tf.constant(i, tf.int64), autograph=False
                 )
@@ -199,7 +207,7 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
                 # methods) has none, and `fn` would reuse it here: every
                 # worker would push with worker 0's local step. A copy of
                 # `fn` without traces is traced under the worker's index.
-                traced = tf_internals.untraced_copy(fn)
+                traced = autograph.untraced_copy(fn)
 
             def with_worker(worker, *a, **k):
                 with step_context.WorkerScope(worker):
@@ -213,10 +221,10 @@ class SyncCoordinator(tf.distribute.coordinator.ClusterCoordinator):
             # Trace now (as `schedule` would), so that what the trace built
             # (the TF1 shim's barrier, even on the very first schedule)
             # starts before any worker runs it.
-            with tf_internals.being_scheduled(self.strategy):
+            with cluster_coordinator.being_scheduled(self.strategy):
                 wrapped.get_concrete_function(
-                    *tf_internals.worker_slice_specs(args),
-                    **tf_internals.worker_slice_specs(kwargs or {}),
+                    *cluster_coordinator.worker_slice_specs(args),
+                    **cluster_coordinator.worker_slice_specs(kwargs or {}),
                 )
             protocol.before_dispatch()
         return super().schedule(wrapped, args=args, kwargs=kwargs)
@@ -234,7 +242,7 @@ def core_aggregator(strategy):
 def _check_pass_reader(model, strategy) -> None:
     """Refuses a `ServicePassPerEpoch` outside `fit` with tf2sync's own
     repeating train function and a `tf2sync.SyncOptimizer` (one line)."""
-    entry = tf_internals.keras_entry_point(model)
+    entry = keras_fit.keras_entry_point(model)
     if entry != "fit":
         raise ValueError(
             "A tf2sync.ServicePassPerEpoch is read only by model.fit and "
@@ -330,7 +338,7 @@ def for_exact_evaluation() -> bool:
     finite dataset through `_ClusterCoordinatorExactEvalDataHandler`
     (otherwise finite datasets are refused, as elsewhere).
     """
-    handler = tf_internals.caller_self_of_type(
+    handler = keras_fit.caller_self_of_type(
         "_ClusterCoordinatorExactEvalDataHandler"
     )
     return handler is not None
@@ -350,11 +358,11 @@ def _check_validation_input(model):
 
     Nothing is refused for a `fit` whose epochs do not validate
     (`validation_freq`)."""
-    validation = tf_internals.fit_validation(model)
+    validation = keras_fit.fit_validation(model)
     if validation is None or not validation.validates:
         return
     data, steps = validation.data, validation.steps
-    exact = tf_internals.exact_evaluation_shards(model) > 0
+    exact = keras_fit.exact_evaluation_shards(model) > 0
     received = f"Received: validation_data={type(data).__name__}"
     if validation.split:  # as given: fit uses it only without the data
         received += f", validation_split={validation.split!r}"
@@ -389,9 +397,7 @@ def _check_validation_input(model):
                 f"`pss_evaluation_shards`). {received}, validation_steps=None"
             )
         return
-    if not tf_internals.keras_converts_for_coordinator(
-        validation.x, validation.y
-    ):
+    if not keras_fit.keras_converts_for_coordinator(validation.x, validation.y):
         raise ValueError(
             "`validation_data` under ParameterServerStrategy must be a "
             "tf.data.Dataset, a DatasetCreator, or (x, y) of tensors, NumPy "
@@ -419,11 +425,11 @@ def _repeat_training_arrays(model, handler) -> None:
     validation or `evaluate` reads is left as it is: reading more than
     one pass there would count batches twice.
     """
-    creator = tf_internals.data_handler_dataset_creator(handler)
-    if tf_internals.keras_input_role(
+    creator = keras_fit.data_handler_dataset_creator(handler)
+    if keras_fit.keras_input_role(
         model
-    ) == "fit" and tf_internals.is_keras_arrays_creator(creator):
-        tf_internals.repeat_keras_arrays(creator)
+    ) == "fit" and keras_fit.is_keras_arrays_creator(creator):
+        patches.repeat_keras_arrays.install(creator)
 
 
 def _check_not_jit_compiled(model):
@@ -447,17 +453,17 @@ def _check_not_jit_compiled(model):
 
 def _single_pipeline(dataset_or_fn):
     """The dataset a PSS distributed dataset wraps (see the coordinator)."""
-    if tf_internals.is_distributed_dataset(dataset_or_fn):
-        if tf_internals.distributed_dataset_is_built(dataset_or_fn):
+    if ps_strategy.is_distributed_dataset(dataset_or_fn):
+        if ps_strategy.distributed_dataset_is_built(dataset_or_fn):
             return dataset_or_fn  # built eagerly elsewhere: leave it
-        return tf_internals.distributed_dataset_source(dataset_or_fn)
+        return ps_strategy.distributed_dataset_source(dataset_or_fn)
     if not callable(dataset_or_fn) or isinstance(
         dataset_or_fn, tf.types.experimental.ConcreteFunction
     ):
         return dataset_or_fn
 
     def dataset_fn():  # traced on each worker
-        user_fn = tf_internals.convert_as_caller(dataset_or_fn)
-        return tf_internals.worker_local_dataset(user_fn())
+        user_fn = autograph.convert_as_caller(dataset_or_fn)
+        return ps_strategy.worker_local_dataset(user_fn())
 
     return dataset_fn

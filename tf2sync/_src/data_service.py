@@ -44,7 +44,9 @@ import weakref
 import tensorflow as tf
 
 from tf2sync._src import step_context
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import cluster_coordinator
+from tf2sync._src.internals import patches
+from tf2sync._src.internals import tf_data_service
 
 
 class ServicePassPerEpoch(tf.keras.utils.experimental.DatasetCreator):
@@ -129,7 +131,7 @@ class ServicePassPerEpoch(tf.keras.utils.experimental.DatasetCreator):
         """
         if self._bound is not None and self._bound[2]() is coordinator:
             return self._bound[:2]
-        workers = len(tf_internals.coordinator_workers(coordinator))
+        workers = len(cluster_coordinator.coordinator_workers(coordinator))
         dataset_id = tf.data.experimental.service.register_dataset(
             self.service, self.dataset
         )
@@ -149,7 +151,7 @@ class ServicePassPerEpoch(tf.keras.utils.experimental.DatasetCreator):
             job = tf.strings.join(
                 [run, "_", tf.strings.as_string(epoch.read_value())]
             )
-            return tf_internals.service_dataset_of_job(
+            return tf_data_service.service_dataset_of_job(
                 service, dataset_id, spec, job
             )
 
@@ -232,8 +234,8 @@ def for_fit(creator, handler, model, coordinator, aggregator):
     )
     iterators = _EpochIterators(per_worker, next_pass)
     _PASSES[handler] = creator
-    tf_internals.new_iterator_each_epoch(handler)
-    workers = len(tf_internals.coordinator_workers(coordinator))
+    patches.new_iterator_each_epoch.install(handler)
+    workers = len(cluster_coordinator.coordinator_workers(coordinator))
 
     def end_of_pass(join):  # after the join of the epoch's steps
         idle = 0
@@ -258,7 +260,7 @@ def for_fit(creator, handler, model, coordinator, aggregator):
             break  # a worker that never came back
         aggregator.flush()
 
-    tf_internals.after_each_epoch_join(handler, end_of_pass)
+    patches.epoch_end_hook.install(handler, end_of_pass)
     return iterators
 
 
@@ -267,7 +269,7 @@ class _EpochIterators:
 
     tf_keras's `enumerate_epochs` calls `iter` once before its first epoch
     and again at each epoch once its adapter asks for a new iterator
-    (`tf_internals.new_iterator_each_epoch`) [2.21] [2.15]: the first call
+    (`patches.new_iterator_each_epoch`) [2.21] [2.15]: the first call
     makes no iterator (it would start a job nobody reads); should an epoch
     read it, it fails at once rather than silently.
     """
@@ -324,9 +326,9 @@ def wait_for_workers(dispatcher, count: int, timeout: float, where) -> None:
         expected addresses) and how many came.
     """
     deadline = time.monotonic() + timeout
-    while tf_internals.dispatcher_num_workers(dispatcher) < count:
+    while tf_data_service.dispatcher_num_workers(dispatcher) < count:
         if time.monotonic() > deadline:
-            came = tf_internals.dispatcher_num_workers(dispatcher)
+            came = tf_data_service.dispatcher_num_workers(dispatcher)
             raise TimeoutError(
                 f"{came} of {count} tf.data workers registered with the "
                 f"dispatcher within {timeout:g} s (`--connect_timeout`); "

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf2sync._src import tf_internals
 from tf2sync._src import wire
+from tf2sync._src.internals import graph_ops
+from tf2sync._src.internals import ps_variables
 
 
 class PackedReads:
@@ -49,13 +50,13 @@ class PackedReads:
         self._scope = None
 
     def __enter__(self):
-        if tf_internals.in_read_caching_scope():
+        if ps_variables.in_read_caching_scope():
             return self  # already caching (nesting is not supported)
-        self._scope = tf_internals.read_caching_scope()
+        self._scope = ps_variables.read_caching_scope()
         self._scope.__enter__()
         self._candidates = list(self._variables.values())
         for var in self._candidates:
-            tf_internals.start_read_cache(var)
+            ps_variables.start_read_cache(var)
         return self
 
     def __exit__(self, *exc):
@@ -66,7 +67,7 @@ class PackedReads:
                 self._pack()
         finally:
             for var in self._candidates:
-                tf_internals.clear_read_cache(var)
+                ps_variables.clear_read_cache(var)
             self._scope.__exit__(*exc)
         return False
 
@@ -74,7 +75,7 @@ class PackedReads:
         graph = tf.compat.v1.get_default_graph()
         groups = {}
         for var in self._candidates:
-            cached = tf_internals.cached_read(var)
+            cached = ps_variables.cached_read(var)
             if (
                 cached is None
                 or not var.trainable  # may be written, then read, in a step
@@ -84,14 +85,14 @@ class PackedReads:
             ):
                 continue
             key = (
-                tf_internals.inner_variable(var).device,
+                ps_variables.inner_variable(var).device,
                 var.dtype.base_dtype,
             )
             groups.setdefault(key, []).append(var)
         gathers = {}
         for var, gather in self._gathers(graph):
             key = (
-                tf_internals.inner_variable(var).device,
+                ps_variables.inner_variable(var).device,
                 var.dtype.base_dtype,
             )
             gathers.setdefault(key, []).append((var, gather))
@@ -108,7 +109,7 @@ class PackedReads:
                 packed = tf.concat(
                     wire.flatten(
                         [
-                            tf_internals.cached_read(v).op.inputs[0]
+                            ps_variables.cached_read(v).op.inputs[0]
                             for v in group
                         ]
                     )
@@ -139,8 +140,8 @@ class PackedReads:
                     piece.set_shape(var.shape)
                 else:
                     piece = tf.reshape(piece, var.shape)
-                tf_internals.update_op_input(
-                    tf_internals.cached_read(var).op, 0, piece
+                graph_ops.update_op_input(
+                    ps_variables.cached_read(var).op, 0, piece
                 )
             for (_, gather), piece, shape in zip(
                 lookups, pieces[len(group) :], shapes
@@ -149,7 +150,7 @@ class PackedReads:
                 piece = tf.reshape(piece, shape)
                 piece.set_shape(rows.shape)
                 for consumer, index in self._worker_uses(rows, ours):
-                    tf_internals.update_op_input(consumer, index, piece)
+                    graph_ops.update_op_input(consumer, index, piece)
 
     def _gathers(self, graph):
         """The step's lookups of packable variables: (variable, gather op).
@@ -162,7 +163,7 @@ class PackedReads:
         handles = {}
         for var in self._candidates:
             if var.trainable and var.shape.is_fully_defined():
-                handles[id(tf_internals.inner_variable(var).handle)] = var
+                handles[id(ps_variables.inner_variable(var).handle)] = var
         captured = {id(inner): outer for outer, inner in graph.captures}
         found = []
         for op in graph.get_operations()[self._first_op :]:
@@ -209,13 +210,13 @@ def order_only_reads_after(tag, operations):
     """
     for op in operations:
         control = op.control_inputs
-        if tf_internals.op_is_stateful(op) or any(
+        if graph_ops.op_is_stateful(op) or any(
             t.dtype == tf.resource for t in op.inputs
         ):
             if tag.op not in control:
-                tf_internals.add_control_inputs(op, [tag.op])
+                graph_ops.add_control_inputs(op, [tag.op])
         elif tag.op in control:
-            tf_internals.replace_control_inputs(
+            graph_ops.replace_control_inputs(
                 op, [c for c in control if c is not tag.op]
             )
 

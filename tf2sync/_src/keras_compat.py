@@ -18,7 +18,7 @@ gradient by `var.name` to every spec whose `weights` hold that name and calls
 each spec optimizer's `apply_gradients`. tf2sync routes the same way and
 calls each spec optimizer's kernels instead (see `_tfa_specs`).
 
-Every private method of the optimizers is called through `tf_internals`;
+Every private method of the optimizers is called through `internals`;
 this module keeps the logic.
 """
 
@@ -27,7 +27,8 @@ from __future__ import annotations
 import tensorflow as tf
 import tf_keras
 
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import graph_ops
+from tf2sync._src.internals import keras_optimizers
 
 _NEW = tf_keras.optimizers.Optimizer
 _LEGACY = tf_keras.optimizers.legacy.Optimizer
@@ -35,7 +36,7 @@ _LEGACY = tf_keras.optimizers.legacy.Optimizer
 KERAS_OPTIMIZERS = (_NEW, _LEGACY)
 
 
-is_tfa_multi = tf_internals.is_tfa_multi_optimizer
+is_tfa_multi = keras_optimizers.is_tfa_multi_optimizer
 
 
 def _tfa_specs(optimizer):
@@ -87,7 +88,7 @@ def check_optimizer(optimizer, argument="optimizer"):
         return
     hint = ""
     module = type(optimizer).__module__ or ""
-    if tf_internals.standalone_keras_2_loaded() and any(
+    if keras_optimizers.standalone_keras_2_loaded() and any(
         (c.__module__ or "").startswith("keras.")
         for c in type(optimizer).__mro__
     ):
@@ -114,7 +115,7 @@ def check_created_in_scope(optimizer, strategy, argument="optimizer"):
     """Raises unless `optimizer`'s step (and its groups') live on the ps."""
     optimizers = [optimizer] + list(getattr(optimizer, "optimizers", []))
     for opt in optimizers:
-        step = tf_internals.created_step_variable(opt)
+        step = keras_optimizers.created_step_variable(opt)
         if step is not None and not strategy.extended.variable_created_in_scope(
             step
         ):
@@ -145,18 +146,20 @@ def build(optimizer, var_list) -> None:
             # that checkpoints hold each group's slots and step.
             for i, (spec_optimizer, _) in enumerate(_tfa_specs(optimizer)):
                 name = f"tfa_spec_{i}"
-                if not tf_internals.tracks_child(optimizer, name):
-                    tf_internals.track_child(optimizer, spec_optimizer, name)
+                if not keras_optimizers.tracks_child(optimizer, name):
+                    keras_optimizers.track_child(
+                        optimizer, spec_optimizer, name
+                    )
             for spec_optimizer, variables in _tfa_route(
                 optimizer, list(var_list), lambda v: v.name
             ):
                 build(spec_optimizer, variables)
         elif is_legacy(optimizer):
-            tf_internals.legacy_create_all_weights(optimizer, var_list)
+            keras_optimizers.legacy_create_all_weights(optimizer, var_list)
         else:
             optimizer.build(var_list)
-            if tf_internals.new_learning_rate_uncomputed(optimizer):
-                tf_internals.new_compute_learning_rate(optimizer)
+            if keras_optimizers.new_learning_rate_uncomputed(optimizer):
+                keras_optimizers.new_compute_learning_rate(optimizer)
 
 
 def apply(optimizer, grads_and_vars, increment=True) -> tf.Operation:
@@ -242,7 +245,7 @@ def _stateful_writes(graph, first):
     return [
         op
         for op in graph.get_operations()[first:]
-        if op.type not in _READS and tf_internals.op_is_stateful(op)
+        if op.type not in _READS and graph_ops.op_is_stateful(op)
     ]
 
 
@@ -253,21 +256,21 @@ def _dedups_then_applies(optimizer) -> bool:
     index kernel does the same work without a second unique and segment
     sum over every row (docs/benchmarks.md, "Measurements behind the code").
     """
-    return tf_internals.legacy_sparse_dedup_is_plain(optimizer)
+    return keras_optimizers.legacy_sparse_dedup_is_plain(optimizer)
 
 
 def _apply_legacy(optimizer, grads_and_vars):
     var_list = [v for _, v in grads_and_vars]
-    grads_and_vars = tf_internals.legacy_transform_gradients(
+    grads_and_vars = keras_optimizers.legacy_transform_gradients(
         optimizer, grads_and_vars
     )
-    apply_state = tf_internals.legacy_prepare(optimizer, var_list)
+    apply_state = keras_optimizers.legacy_prepare(optimizer, var_list)
     updates = []
     if not grads_and_vars:
         return updates
     for grad, var in grads_and_vars:
         if isinstance(grad, tf.IndexedSlices):
-            op = tf_internals.legacy_apply_sparse(
+            op = keras_optimizers.legacy_apply_sparse(
                 optimizer,
                 grad.values,
                 var,
@@ -276,7 +279,7 @@ def _apply_legacy(optimizer, grads_and_vars):
                 unique=_dedups_then_applies(optimizer),
             )
         else:
-            op = tf_internals.legacy_apply_dense(
+            op = keras_optimizers.legacy_apply_dense(
                 optimizer, grad, var, apply_state
             )
         updates.append(op)
@@ -298,7 +301,7 @@ def _check_built_for(optimizer, var_list) -> None:
     Raises:
       ValueError: Naming the variables unknown to the optimizer.
     """
-    unknown = tf_internals.new_unknown_variables(optimizer, var_list)
+    unknown = keras_optimizers.new_unknown_variables(optimizer, var_list)
     if not unknown:
         return
     names = [v.name for v in unknown]
@@ -319,20 +322,20 @@ def _check_built_for(optimizer, var_list) -> None:
 def _apply_new(optimizer, grads_and_vars):
     var_list = [v for _, v in grads_and_vars]
     _check_built_for(optimizer, var_list)
-    tf_internals.new_compute_learning_rate(optimizer)
+    keras_optimizers.new_compute_learning_rate(optimizer)
     if not grads_and_vars:
         return []
-    grads = tf_internals.new_clip_gradients(
+    grads = keras_optimizers.new_clip_gradients(
         optimizer, [g for g, _ in grads_and_vars]
     )
     updates = []
     if optimizer.weight_decay is not None:
-        tf_internals.new_apply_weight_decay(optimizer, var_list)
+        keras_optimizers.new_apply_weight_decay(optimizer, var_list)
     for grad, var in zip(grads, var_list):
-        updates.append(tf_internals.new_update_step(optimizer, grad, var))
+        updates.append(keras_optimizers.new_update_step(optimizer, grad, var))
     if optimizer.use_ema:
         with tf.control_dependencies([u for u in updates if u is not None]):
-            tf_internals.new_update_moving_averages(optimizer, var_list)
+            keras_optimizers.new_update_moving_averages(optimizer, var_list)
     updates = [u for u in updates if u is not None]
     with tf.control_dependencies(updates):
         updates = updates + _constraints(var_list)

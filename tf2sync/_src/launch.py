@@ -98,9 +98,9 @@ def _forks_local_tasks() -> bool:
         or launch_flags.NUM_GPUS.value is not None
     ):
         return False
-    from tf2sync._src import tf_internals
+    from tf2sync._src.internals import runtime
 
-    if tf_internals.runtime_started():  # a job module ran TF, or a GPU
+    if runtime.runtime_started():  # a job module ran TF, or a GPU
         return False
     try:
         return launch_input.cluster_source() == "local"

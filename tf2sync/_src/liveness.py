@@ -11,7 +11,7 @@ scalar op run on the worker, with an executor of its own) every
 `timeout` seconds, while another worker answered meanwhile, is declared
 frozen:
 
-* its in-flight closure is put back in the queue (`tf_internals.
+* its in-flight closure is put back in the queue (`closures.
   take_over_closure`), so another worker runs it and `join` does not wait;
   whatever the frozen run returns later is ignored;
 * every token watchdog is alarmed (`watchdog.alarm_all`), so the token its
@@ -33,8 +33,10 @@ import weakref
 
 from absl import logging
 
-from tf2sync._src import tf_internals
 from tf2sync._src import watchdog
+from tf2sync._src.internals import closures
+from tf2sync._src.internals import cluster_coordinator
+from tf2sync._src.internals import patches
 
 _LIVE = weakref.WeakSet()
 
@@ -71,22 +73,22 @@ class WorkerMonitor:
           coordinator: The strategy's `SyncCoordinator`.
           timeout: Seconds unanswered before a worker is declared frozen.
           pinger: `pinger(device) -> ping()`, for tests; by default
-            `tf_internals.worker_pinger`.
+            `cluster_coordinator.worker_pinger`.
         """
-        self._pinger = pinger or tf_internals.worker_pinger
+        self._pinger = pinger or cluster_coordinator.worker_pinger
         self.timeout = float(timeout)
         self.period = max(0.05, self.timeout / 4)
         self.declared = []
         self.moved = []
         self._coordinator = weakref.ref(coordinator)
         self._stop = threading.Event()
-        workers = tf_internals.coordinator_workers(coordinator)
+        workers = cluster_coordinator.coordinator_workers(coordinator)
         now = time.monotonic()
         # Per worker: when its last ping was answered, and whether it is
         # declared frozen now.
         self._answered = [now] * len(workers)
         self._frozen = [False] * len(workers)
-        tf_internals.track_closures(coordinator)
+        patches.closure_tracking.install(coordinator)
         for index, worker in enumerate(workers):
             threading.Thread(
                 target=self._ping_loop,
@@ -138,7 +140,7 @@ class WorkerMonitor:
     def _take_over(self, index, seconds):
         """Moves a closure a frozen worker took (idle when declared)."""
         coordinator = self._coordinator()
-        if coordinator is None or not tf_internals.take_over_closure(
+        if coordinator is None or not closures.take_over_closure(
             coordinator, index
         ):
             return
@@ -157,7 +159,7 @@ class WorkerMonitor:
             return
         self._frozen[index] = True
         self.declared.append((index, seconds))
-        moved = tf_internals.take_over_closure(coordinator, index)
+        moved = closures.take_over_closure(coordinator, index)
         if moved:
             self.moved.append(index)
         logging.warning(

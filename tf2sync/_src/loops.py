@@ -11,7 +11,7 @@ callers use when the user does not choose is
 
 The step's Python runs once: it is traced as a function of its own, and
 each copy in the graph is a copy of that function's ops
-(`tf_internals.inline_copy`), the same ops a new trace would make. A call
+(`graph_copy.inline_copy`), the same ops a new trace would make. A call
 of the function instead would run slower (TF calls it at every step rather
 than inlining it), and tracing the step again per copy costs a step's trace
 per copy (docs/benchmarks.md, "Measurements behind the code"). A lone step
@@ -35,7 +35,8 @@ import threading
 import tensorflow as tf
 
 from tf2sync._src import step_context
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import autograph
+from tf2sync._src.internals import graph_copy
 
 _TRACING = threading.local()
 
@@ -95,7 +96,7 @@ def repeat(
         The TF1 shim's steps are traced per copy: each copy's ops follow
         the previous copy's token, which the shim wires while tracing. A
         step whose graph copies would differ from new traces
-        (`tf_internals.copies_like_traces`: per-worker resources, seeded
+        (`graph_copy.copies_like_traces`: per-worker resources, seeded
         random ops) is traced per copy too.
       inputs: Tensors or composite tensors (an iterator) of the function
         being traced that every step takes: passed, not closed over, a
@@ -276,7 +277,7 @@ class _TracedOnce:
         self._worker = step_context.current_worker() is not None
         # Traced with AutoGraph as the enclosing function is (a function
         # traced without it would turn it off for the step's callees).
-        step = tf_internals.convert_as_caller(step)
+        step = autograph.convert_as_caller(step)
 
         def traced(*args):  # the arguments of `_arguments`
             worker = args[0] if self._worker else None
@@ -294,10 +295,8 @@ class _TracedOnce:
         self._captures_graph_tensors = any(
             tf.is_symbolic_tensor(t) for t in self._concrete.captured_inputs
         )
-        # Else each copy traces the step again (see `tf_internals`).
-        self.copies_like_traces = tf_internals.copies_like_traces(
-            self._concrete
-        )
+        # Else each copy traces the step again (see `internals.graph_copy`).
+        self.copies_like_traces = graph_copy.copies_like_traces(self._concrete)
 
     def _arguments(self, carry, inputs):
         """The trace's arguments here: worker index, carry, inputs."""
@@ -337,7 +336,7 @@ class _TracedOnce:
         def run(carry):
             nonlocal copies
             copies += 1
-            return tf_internals.inline_copy(
+            return graph_copy.inline_copy(
                 self._concrete,
                 self._arguments(carry, inputs),
                 f"step_{copies}",

@@ -14,7 +14,8 @@ building a `mixed_float16` layer and before creating a loss-scale optimizer.
 `SyncParameterServerStrategy`, and only there; every other strategy gets
 tf_keras's own answer. The private tf_keras parts this takes (the legacy
 loss-scale optimizer class, that function, the dynamic scale's state) are
-in `tf_internals`.
+in `internals.mixed_precision`; the replacement is `internals.patches`'s
+`loss_scaling_predicate`.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from __future__ import annotations
 import tensorflow as tf
 import tf_keras
 
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import checkpoints
+from tf2sync._src.internals import mixed_precision
+from tf2sync._src.internals import patches
 
 # Both families' loss-scale optimizers (the public class is their base).
 _ANY_LSO = tf_keras.mixed_precision.LossScaleOptimizer
 
 
 def _supports_loss_scaling():
-    if tf_internals.keras_supports_loss_scaling():
+    if mixed_precision.keras_supports_loss_scaling():
         return True
     from tf2sync._src import strategy as strategy_lib
 
@@ -40,7 +43,7 @@ def _supports_loss_scaling():
 
 def install():
     """Lets tf_keras build mixed_float16 layers under the sync strategy."""
-    tf_internals.install_loss_scaling_predicate(_supports_loss_scaling)
+    patches.loss_scaling_predicate.install(_supports_loss_scaling)
 
 
 def wants_loss_scaling(optimizer) -> bool:
@@ -70,7 +73,7 @@ def unwrap(optimizer):
 
 
 @tf_keras.utils.register_keras_serializable(package="tf2sync")
-class SyncLossScaleOptimizer(tf_internals.LegacyLossScaleOptimizer):
+class SyncLossScaleOptimizer(mixed_precision.LegacyLossScaleOptimizer):
     """A `LossScaleOptimizer` around a `SyncOptimizer`.
 
     Protocol per replica step: the loss is multiplied by the current scale
@@ -99,7 +102,7 @@ class SyncLossScaleOptimizer(tf_internals.LegacyLossScaleOptimizer):
         )
         inner_optimizer._tf2sync_loss_scaled = True
         if dynamic:
-            state = tf_internals.dynamic_loss_scale_state(self)
+            state = mixed_precision.dynamic_loss_scale_state(self)
             aggregator = inner_optimizer._aggregator
             aggregator.on_nonfinite.append(lambda: _halve(state))
             aggregator.after_apply.append(lambda: _count_good_step(state))
@@ -152,7 +155,7 @@ class SyncLossScaleOptimizer(tf_internals.LegacyLossScaleOptimizer):
     def __dir__(self):
         # Its checkpoint node is the SyncOptimizer's, whose inner optimizer
         # (a child) saves the slots.
-        return tf_internals.dir_without_slot_owner(super().__dir__())
+        return checkpoints.dir_without_slot_owner(super().__dir__())
 
     @property
     def sync_optimizer(self):

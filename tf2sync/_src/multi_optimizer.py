@@ -8,7 +8,9 @@ import tensorflow as tf
 import tf_keras
 
 from tf2sync._src import keras_compat
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import checkpoints
+from tf2sync._src.internals import keras_optimizers
+from tf2sync._src.internals import ps_variables
 
 
 def _variables_of(target):
@@ -35,7 +37,7 @@ def _positions(var_list) -> tuple[dict, int]:
     ranks = {}
     owners = {}
     for var in var_list:
-        owner = tf_internals.sharded_container(var)
+        owner = ps_variables.sharded_container(var)
         owner = id(var if owner is None else owner)
         ranks[id(var)] = owners.setdefault(owner, len(owners))
     return ranks, len(owners)
@@ -49,7 +51,7 @@ def _check_shards_together(routes, describe) -> None:
     groups_of = {}
     for index, variables in routes.items():
         for var in variables:
-            owner = tf_internals.sharded_container(var)
+            owner = ps_variables.sharded_container(var)
             if owner is not None:
                 groups_of.setdefault(id(owner), (owner, set()))[1].add(index)
     for owner, indices in groups_of.values():
@@ -169,7 +171,7 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
             [default] if default is not None else []
         )
         for i, optimizer in enumerate(self.optimizers):
-            tf_internals.track_child(self, optimizer, f"group_{i}")
+            keras_optimizers.track_child(self, optimizer, f"group_{i}")
         self._routes = None
         # ({group: variable ranks}, count): what get_config saves. A loaded
         # router has it from its saved groups until it is built again.
@@ -335,7 +337,7 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
             first step), or its group's optimizer has no such slot.
         """
         # A sharded variable is routed by its shards, all in one group.
-        index = (self._routes or {}).get(id(tf_internals.shards([var])[0]))
+        index = (self._routes or {}).get(id(ps_variables.shards([var])[0]))
         if index is None:
             raise KeyError(
                 f"{getattr(var, 'name', var)!r} is in no group of "
@@ -347,7 +349,7 @@ class MultiOptimizer(tf_keras.optimizers.legacy.Optimizer):
 
     def __dir__(self):
         # The slots are saved through each group's optimizer (a child).
-        return tf_internals.dir_without_slot_owner(super().__dir__())
+        return checkpoints.dir_without_slot_owner(super().__dir__())
 
     def variables(self):
         out = [self.iterations]

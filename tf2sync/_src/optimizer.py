@@ -9,7 +9,10 @@ from tf2sync._src import aggregation
 from tf2sync._src import ema
 from tf2sync._src import keras_compat
 from tf2sync._src import strategy as strategy_lib
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import checkpoints
+from tf2sync._src.internals import keras_optimizers
+from tf2sync._src.internals import mixed_precision
+from tf2sync._src.internals import ps_strategy
 
 
 @tf_keras.utils.register_keras_serializable(package="tf2sync")
@@ -128,7 +131,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         strategy._check_can_attach()
         super().__init__(name=name or "Sync" + _inner_name(optimizer))
         self._optimizer = optimizer
-        tf_internals.track_child(self, optimizer, "inner_optimizer")
+        keras_optimizers.track_child(self, optimizer, "inner_optimizer")
         self._strategy = strategy
         with strategy.scope():
             global_step = optimizer.iterations  # created now if lazy
@@ -137,9 +140,9 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             global_step,
             self._apply_aggregated,
             name=self._name,
-            num_workers=tf_internals.num_workers(strategy),
+            num_workers=ps_strategy.num_workers(strategy),
             increment_fn=self._increment_aggregated,
-            variables_fn=lambda: tf_internals.optimizer_state_variables(
+            variables_fn=lambda: keras_optimizers.optimizer_state_variables(
                 optimizer
             ),
         )
@@ -195,7 +198,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
 
     def __dir__(self):
         # The slots are saved through the inner optimizer (a child).
-        return tf_internals.dir_without_slot_owner(super().__dir__())
+        return checkpoints.dir_without_slot_owner(super().__dir__())
 
     def get_config(self):
         return {
@@ -303,7 +306,9 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
             new = len(self._ema.shadows)
             self._ema.build(var_list)
             for i in range(new, len(self._ema.shadows)):
-                tf_internals.track_child(self, self._ema.shadows[i], f"ema_{i}")
+                keras_optimizers.track_child(
+                    self, self._ema.shadows[i], f"ema_{i}"
+                )
 
     def apply_gradients(
         self, grads_and_vars, name=None, experimental_aggregate_gradients=True
@@ -329,7 +334,7 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
         """
         del name, experimental_aggregate_gradients
         grads_and_vars = list(grads_and_vars)
-        if tf_internals.is_wrapped_by_loss_scale_optimizer(
+        if mixed_precision.is_wrapped_by_loss_scale_optimizer(
             self
         ) and not getattr(self, "_tf2sync_loss_scaled", False):
             raise TypeError(
@@ -414,7 +419,8 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
 
 def _inner_name(optimizer):
     return (
-        str(tf_internals.optimizer_name(optimizer)) or type(optimizer).__name__
+        str(keras_optimizers.optimizer_name(optimizer))
+        or type(optimizer).__name__
     )
 
 

@@ -253,7 +253,7 @@ class TaskForker:
     `serve(spec, job, index, args)` runs a task in the fork and does not
     return; create the forker from the main thread before any other thread
     starts, and before any TensorFlow op runs or a GPU is found (the
-    launcher checks `tf_internals.runtime_started()` and otherwise starts
+    launcher checks `runtime.runtime_started()` and otherwise starts
     new interpreters).
     """
 

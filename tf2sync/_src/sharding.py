@@ -25,7 +25,7 @@ import numbers
 import numpy as np
 import tensorflow as tf
 
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import ps_variables
 
 # A shape every partitioner must handle, to check it when it is given.
 _PROBE_SHAPE = tf.TensorShape([1024, 8])
@@ -91,12 +91,12 @@ class _Checked:
 
 def shards(variables) -> list:
     """`variables` with each `ShardedVariable` replaced by its shards."""
-    return tf_internals.shards(variables)
+    return ps_variables.shards(variables)
 
 
 def is_sharded(variable) -> bool:
     """Whether `variable` is a `ShardedVariable`."""
-    return tf_internals.is_sharded_variable(variable)
+    return ps_variables.is_sharded_variable(variable)
 
 
 def whole_weights(variables) -> list:
@@ -107,7 +107,7 @@ def whole_weights(variables) -> list:
         np.concatenate([v.numpy() for v in parts], axis=0)
         if container is not None
         else parts[0].numpy()
-        for container, parts in tf_internals.group_shards(variables)
+        for container, parts in ps_variables.group_shards(variables)
     ]
 
 
@@ -116,6 +116,6 @@ def sharded_groups(variables) -> list:
     shards `variables` lists (e.g. `model.variables`), in order."""
     return [
         (container, parts)
-        for container, parts in tf_internals.group_shards(variables)
+        for container, parts in ps_variables.group_shards(variables)
         if container is not None
     ]

@@ -14,8 +14,14 @@ from tf2sync._src import liveness
 from tf2sync._src import options as options_lib
 from tf2sync._src import sharding
 from tf2sync._src import step_context
-from tf2sync._src import tf_internals
 from tf2sync._src import watchdog
+from tf2sync._src.internals import autograph
+from tf2sync._src.internals import cluster_coordinator
+from tf2sync._src.internals import keras_fit
+from tf2sync._src.internals import keras_training
+from tf2sync._src.internals import patches
+from tf2sync._src.internals import ps_strategy
+from tf2sync._src.internals import ps_variables
 
 # Re-exported for callers that trace steps with an explicit worker index.
 current_step = step_context.current_step
@@ -41,7 +47,7 @@ _MIXED_KINDS_MESSAGE = (
 )
 
 
-class _SyncExtended(tf_internals.ParameterServerExtended):
+class _SyncExtended(ps_strategy.ParameterServerExtended):
     """Refuses variable updates that do not come from a SyncOptimizer.
 
     Every stock Keras optimizer applies through `extended.update`; tf2sync
@@ -61,7 +67,7 @@ class _SyncExtended(tf_internals.ParameterServerExtended):
         if cardinality >= 0 and not coordinator_lib.for_exact_evaluation():
             raise ValueError(
                 coordinator_lib.finite_dataset_message(
-                    tf_internals.keras_input_role(), cardinality
+                    keras_fit.keras_input_role(), cardinality
                 )
             )
         return super()._experimental_distribute_dataset(dataset, options)
@@ -91,9 +97,9 @@ class _SyncExtended(tf_internals.ParameterServerExtended):
 
     def _create_variable(self, next_creator, **kwargs):
         var = super()._create_variable(next_creator, **kwargs)
-        for part in tf_internals.shards([var]):  # each shard on its ps
-            tf_internals.cache_reads_per_graph(part)
-            if tf_internals.is_caching_variable(part):
+        for part in ps_variables.shards([var]):  # each shard on its ps
+            patches.per_graph_read_cache.install(part)
+            if ps_variables.is_caching_variable(part):
                 self._tf2sync_variables[id(part)] = part  # for packed reads
         return var
 
@@ -205,8 +211,8 @@ class SyncParameterServerStrategy(
             logging.info("tf2sync: %s", self._sync_config.backup_note())
         variable_partitioner = sharding.checked(variable_partitioner)
         if variable_partitioner is not None:
-            tf_internals.install_sharded_autocast()  # mixed_float16 layers
-            tf_internals.install_whole_weights_in_keras_files()
+            patches.sharded_autocast.install()  # mixed_float16 layers
+            patches.whole_weights_in_keras_files.install()
         if token_timeout is not None and not float(token_timeout) > 0:
             raise ValueError(
                 "`token_timeout` must be a positive number of seconds or "
@@ -236,7 +242,7 @@ class SyncParameterServerStrategy(
             liveness.stop_all()
         _CONNECTED["spec"] = spec
         super().__init__(cluster_resolver, variable_partitioner)
-        tf_internals.replace_extended_class(self, _SyncExtended)
+        patches.extended_class.install(self, _SyncExtended)
         self._extended._tf2sync_variables = weakref.WeakValueDictionary()
         # Installed now, so that ClusterCoordinator(strategy) returns it.
         coordinator = coordinator_lib.SyncCoordinator(self)
@@ -245,7 +251,7 @@ class SyncParameterServerStrategy(
             self.worker_monitor = liveness.WorkerMonitor(
                 coordinator, worker_timeout
             )
-        num_workers = tf_internals.num_workers(self)
+        num_workers = ps_strategy.num_workers(self)
         if self._sync_config.total_num_replicas != num_workers:
             logging.warning(
                 "total_num_replicas=%d but the cluster has %d workers.",
@@ -283,10 +289,12 @@ class SyncParameterServerStrategy(
             return
         if not isinstance(protocol, TokenFirstStep):
             raise ValueError(_MIXED_KINDS_MESSAGE)
-        coordinator = tf_internals.strategy_coordinator(self)
+        coordinator = cluster_coordinator.strategy_coordinator(self)
         if coordinator is None:
             return
-        running, none_waiting = tf_internals.inflight_closures(coordinator)
+        running, none_waiting = cluster_coordinator.inflight_closures(
+            coordinator
+        )
         if running or not none_waiting:
             raise ValueError(
                 "A new tf2sync.SyncOptimizer would replace this strategy's "
@@ -338,8 +346,8 @@ class SyncParameterServerStrategy(
         base_run = super().run
         if tf.inside_function():
             # Converted iff the caller is, as the base class does: tf2sync's
-            # own code is not converted (see tf_internals, "AutoGraph").
-            fn = tf_internals.convert_as_caller(fn)
+            # own code is not converted (see internals/autograph.py).
+            fn = autograph.convert_as_caller(fn)
         if protocol is None or not tf.inside_function():
             worker = step_context.current_worker()
             if worker is not None:
@@ -395,7 +403,7 @@ class TokenFirstStep:
         step = step_context.StepContext(
             tag,
             step_context.current_worker(),
-            tf_internals.is_keras_train_step(fn),
+            keras_training.is_keras_train_step(fn),
             first,
         )
 

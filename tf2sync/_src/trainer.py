@@ -19,8 +19,11 @@ from tf2sync._src import data_service
 from tf2sync._src import loops
 from tf2sync._src import options as options_lib
 from tf2sync._src import step_context
-from tf2sync._src import tf_internals
 from tf2sync._src import trainer_checks as checks
+from tf2sync._src.internals import autograph
+from tf2sync._src.internals import cluster_coordinator
+from tf2sync._src.internals import keras_fit
+from tf2sync._src.internals import ps_strategy
 
 
 class Trainer:
@@ -202,7 +205,7 @@ class Trainer:
         `fit` logs it). Runs inside `strategy.run`."""
         checks.batch(batch)
         x, y = batch
-        loss_fn = _converted(tf_internals.replica_mean_loss(self.loss_fn))
+        loss_fn = _converted(keras_fit.replica_mean_loss(self.loss_fn))
         replicas = 1 if self._shim else _local_replicas()
         with tf.GradientTape() as tape:
             loss = loss_fn(y, self.model(x, training=True))
@@ -236,7 +239,7 @@ class Trainer:
         steps = self.steps_per_loop if steps is None else steps
         group = self._copies_per_group()
 
-        @tf_internals.function_of_tf2sync
+        @autograph.function_of_tf2sync
         def loop(iterator):
             def step(total, iterator):
                 loss = self.strategy.run(
@@ -288,7 +291,7 @@ class Trainer:
         steps = self.steps_per_loop
         group = self._copies_per_group()
 
-        @tf_internals.function_of_tf2sync
+        @autograph.function_of_tf2sync
         def loop(iterator):
             def step(carry):
                 total, ran, ended = carry
@@ -498,7 +501,7 @@ class Trainer:
             # The first loop's trace waits for its first single step where
             # the chief shares the workers' CPUs (see the function).
             wait = single is not None and loops.waits_for_first_step(
-                tf_internals.cluster_resolver(self.strategy),
+                ps_strategy.cluster_resolver(self.strategy),
                 self.steps_per_loop,
             )
             results = []
@@ -541,7 +544,7 @@ class Trainer:
         began = time.perf_counter()
         before = self._sync_steps(sync)
         self.coordinator.lift_plan()  # re-runs read new elements anyway
-        workers = len(tf_internals.coordinator_workers(self.coordinator))
+        workers = len(cluster_coordinator.coordinator_workers(self.coordinator))
         pending = collections.deque(
             self.coordinator.schedule(loop, args=(iterator,))
             for _ in range(2 * workers)
@@ -654,7 +657,7 @@ def _local_replicas() -> int:
 def _converted(fn):
     """`fn` converted by AutoGraph if it is a plain function.
 
-    AutoGraph skips tf2sync's code (see tf_internals), and the step's
+    AutoGraph skips tf2sync's code (see internals/autograph.py), and the step's
     AutoGraph status can be off by here (the coordinator's wrapper is
     traced without it), so the user's loss function is converted
     explicitly, as it was when AutoGraph converted Trainer's step; a

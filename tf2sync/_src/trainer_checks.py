@@ -15,7 +15,7 @@ from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import compat_v1
 from tf2sync._src import flag_checks
 from tf2sync._src import options as options_lib
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import keras_training
 
 
 def loop_arguments(steps_per_loop, use_tf_while_loop) -> None:
@@ -281,7 +281,7 @@ def warn_batch_hooks_uncalled(callbacks) -> None:
         type(c).__name__
         for c in callbacks
         if not isinstance(c, tf_keras.callbacks.ProgbarLogger)
-        and tf_internals.implements_train_batch_hooks(c)
+        and keras_training.implements_train_batch_hooks(c)
     ]
     if names:
         logging.warning(

@@ -9,7 +9,11 @@ from tf2sync._src import callbacks
 from tf2sync._src import data_service
 from tf2sync._src import loops
 from tf2sync._src import options as options_lib
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import cluster_coordinator
+from tf2sync._src.internals import keras_training
+from tf2sync._src.internals import patches
+from tf2sync._src.internals import ps_strategy
+from tf2sync._src.internals import ps_variables
 
 
 def unroll_fit_steps(model, enabled: bool = True):
@@ -66,10 +70,11 @@ def unroll_fit_steps(model, enabled: bool = True):
         return model
     if unrolled:
         return model
-    model.make_train_function = _repeating_make_train_function(
-        model, model.make_train_function
+    patches.unrolled_train_function.install(
+        model,
+        _repeating_make_train_function(model, model.make_train_function),
     )
-    tf_internals.override_epoch_logs_validator(model, _exact_epoch_logs(model))
+    patches.exact_epoch_logs.install(model, _exact_epoch_logs(model))
     model.train_function = None  # made again, repeating its steps
     model._tf2sync_unrolled = True
     return model
@@ -90,8 +95,8 @@ def _check_arguments(model, enabled) -> None:
 
 def _restore_keras_loop(model) -> None:
     """Undoes `unroll_fit_steps(model)`: tf_keras's loop and log check."""
-    del model.make_train_function  # the class's methods again
-    tf_internals.restore_epoch_logs_validator(model)
+    patches.unrolled_train_function.uninstall(model)  # the class's methods
+    patches.exact_epoch_logs.uninstall(model)  # again
     model.train_function = None
 
 
@@ -110,7 +115,7 @@ def _repeating_make_train_function(model, keras_make):
     def make_train_function(force=False):
         if model.train_function is not None and not force:
             return model.train_function
-        coordinator = tf_internals.model_coordinator(model)
+        coordinator = keras_training.model_coordinator(model)
         if coordinator is None:
             return keras_make(force=force)
         sync = _sync_optimizer(model)  # compile makes a new train function
@@ -160,7 +165,7 @@ def _scheduler(model, coordinator, sync):
                 None if service is None else id(service), loops.StepTraces()
             )
             # As tf_keras's, it does not convert `train_step` (tf_keras's
-            # code is not converted, nor tf2sync's: tf_internals).
+            # code is not converted, nor tf2sync's: internals/autograph.py).
             function = tf.function(
                 _unrolled(model, steps, service, shared), autograph=False
             )
@@ -169,7 +174,7 @@ def _scheduler(model, coordinator, sync):
         return function
 
     def schedule(iterator):
-        handler = tf_internals.running_fit_data_handler(model)
+        handler = keras_training.running_fit_data_handler(model)
         steps = _steps_of_call(model, handler)
         service = data_service.pass_of(handler)
         first = not functions
@@ -197,7 +202,7 @@ def _scheduler(model, coordinator, sync):
             for function in functions_of_call
         ]
         if first and loops.waits_for_first_step(
-            tf_internals.cluster_resolver(model.distribute_strategy),
+            ps_strategy.cluster_resolver(model.distribute_strategy),
             len(scheduled),
         ):
             first_step.append((handler, scheduled[0]))
@@ -239,11 +244,11 @@ def _pieces(steps, handler, coordinator, first, group) -> list:
     """
     full = getattr(handler, "_tf2sync_steps_per_execution", None)
     short = full is not None and steps < full
-    position = tf_internals.fit_epoch_position(handler)
+    position = keras_training.fit_epoch_position(handler)
     epochs_last = short and position is not None and position[1] > steps
     if (first or epochs_last) and loops.starts_on_single_steps(steps, group):
         return [1] * steps
-    workers = len(tf_internals.coordinator_workers(coordinator))
+    workers = len(cluster_coordinator.coordinator_workers(coordinator))
     if not short or steps < 2 or workers < 2:
         return [steps]
     size = -(-steps // min(workers, steps))
@@ -296,7 +301,7 @@ def steps_per_execution_on_coordinator(model, handler) -> None:
     With `steps_per_execution="auto"` the tuner holds it as well, and
     nothing moves.
     """
-    variable = tf_internals.steps_per_execution_variable(model)
+    variable = keras_training.steps_per_execution_variable(model)
     if variable is None or getattr(
         model, "autotune_steps_per_execution", False
     ):
@@ -307,13 +312,13 @@ def steps_per_execution_on_coordinator(model, handler) -> None:
         handler._tf2sync_steps_per_execution = int(variable.numpy())
     if "/job:ps" not in (getattr(variable, "device", "") or ""):
         return
-    here = tf_internals.plain_resource_variable(  # outside the strategy
+    here = ps_variables.plain_resource_variable(  # outside the strategy
         variable.numpy(), name="spe", dtype=tf.int64
     )
     # Not tracked: as tf_keras's own (see `_configure_steps_per_execution`).
-    tf_internals.set_steps_per_execution_variable(model, here)
-    if tf_internals.data_handler_steps_per_execution(handler) is variable:
-        tf_internals.set_data_handler_steps_per_execution(handler, here)
+    keras_training.set_steps_per_execution_variable(model, here)
+    if keras_training.data_handler_steps_per_execution(handler) is variable:
+        keras_training.set_data_handler_steps_per_execution(handler, here)
 
 
 def _unrolled(model, steps, service=None, traces=None):
@@ -335,14 +340,14 @@ def _unrolled(model, steps, service=None, traces=None):
             run_step, jit_compile=True, reduce_retracing=True
         )
     # Not a tf_keras `run_step` to the strategy (see
-    # `tf_internals.is_keras_train_step`): the sync counters join the logs
+    # `keras_training.is_keras_train_step`): the sync counters join the logs
     # when they are fetched (`callbacks.LogsWithSyncTotals`), not from the
     # pushes.
 
     def train_function(iterator):
         def run(data):
             outputs = model.distribute_strategy.run(run_step, args=(data,))
-            return tf_internals.reduce_per_replica(
+            return keras_training.reduce_per_replica(
                 outputs,
                 model.distribute_strategy,
                 model.distribute_reduction_method,
@@ -379,9 +384,9 @@ def _unrolled(model, steps, service=None, traces=None):
         # the ps per function rather than per step (the counter is read
         # from the coordinator, between functions).
         with tf.control_dependencies(
-            tf_internals.minimum_control_deps(outputs)
+            keras_training.minimum_control_deps(outputs)
         ):
-            tf_internals.train_counter(model).assign_add(steps)
+            keras_training.train_counter(model).assign_add(steps)
         return outputs
 
     return train_function
@@ -424,7 +429,7 @@ def _plan(coordinator, functions, handler):
         # re-run function reads new elements.
         coordinator.lift_plan()
         return
-    position = tf_internals.fit_epoch_position(handler)
+    position = keras_training.fit_epoch_position(handler)
     if handler is not None and position is not None and position[1]:
         if position[0] == 0:
             coordinator.plan_epoch(functions[0], position[1], handler)
@@ -447,11 +452,11 @@ def _steps_of_call(model, handler=None):
     does.
     """
     if handler is None:
-        handler = tf_internals.running_fit_data_handler(model)
+        handler = keras_training.running_fit_data_handler(model)
     increment = getattr(handler, "step_increment", None)
     if isinstance(increment, int) and increment >= 0:
         return increment + 1
-    return int(tf_internals.steps_per_execution_variable(model).numpy())
+    return int(keras_training.steps_per_execution_variable(model).numpy())
 
 
 def _exact_epoch_logs(model):
@@ -463,7 +468,7 @@ def _exact_epoch_logs(model):
     metric results") and keeps the last function's logs. The sync counters
     are exact already, so they are set aside for the check and put back.
     """
-    keras_validate = tf_internals.epoch_logs_validator(model)
+    keras_validate = keras_training.epoch_logs_validator(model)
 
     def validate(logs):
         if not isinstance(logs, dict):

@@ -15,12 +15,12 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import ps_variables
 
 
 def ps_variable(initial_value, device, name, dtype=None):
     """A plain resource variable on `device`, outside any strategy creator."""
-    return tf_internals.plain_resource_variable(
+    return ps_variables.plain_resource_variable(
         initial_value, name, dtype, device=device
     )
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import tensorflow as tf
 from absl import logging
 
-from tf2sync._src import tf_internals
 from tf2sync._src import watchdog
+from tf2sync._src.internals import cluster_coordinator
 
 _AUTO = "started by the coordinator"
 _MANUAL = "started by TF1's init-tokens op"
@@ -90,9 +90,11 @@ class ChiefSideMixin:
         """The core barrier's state, read with TF1's order in mind."""
         state = self.aggregator.watch_state()
         tokens, drained = state.tokens, False
-        coordinator = tf_internals.strategy_coordinator(self.strategy)
+        coordinator = cluster_coordinator.strategy_coordinator(self.strategy)
         if coordinator is not None:
-            inflight, queue_empty = tf_internals.inflight_closures(coordinator)
+            inflight, queue_empty = cluster_coordinator.inflight_closures(
+                coordinator
+            )
             if not inflight and queue_empty:
                 # No step is in flight, so none waits for a token: TF1's
                 # order leaves the queue empty between steps.

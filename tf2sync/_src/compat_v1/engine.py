@@ -27,12 +27,13 @@ import tensorflow as tf
 from tf2sync._src import aggregation
 from tf2sync._src import config as config_lib
 from tf2sync._src import step_context
-from tf2sync._src import tf_internals
 from tf2sync._src import wire
 from tf2sync._src.compat_v1 import chief_side
 from tf2sync._src.compat_v1 import hooks
 from tf2sync._src.compat_v1 import inner
 from tf2sync._src.compat_v1 import step as step_lib
+from tf2sync._src.internals import graph_ops
+from tf2sync._src.internals import ps_strategy
 
 GLOBAL_STEP_REQUIRED = "Global step is required to check staleness"
 
@@ -166,7 +167,7 @@ class PushFirstStep(chief_side.ChiefSideMixin):
         )
         token = self._push(step)
         for placeholder in step.results:
-            tf_internals.update_op_input(
+            graph_ops.update_op_input(
                 placeholder.op, 0, tf.cast(token, placeholder.dtype)
             )
         self._last_token[graph] = token
@@ -296,7 +297,7 @@ class PushFirstStep(chief_side.ChiefSideMixin):
             leader._replicas_to_aggregate, leader._total_num_replicas
         )
         num_workers = max(
-            config.total_num_replicas, tf_internals.num_workers(self.strategy)
+            config.total_num_replicas, ps_strategy.num_workers(self.strategy)
         )
         for opt, gvs, _ in self._by_member(grads_and_vars):
             with self.strategy.scope():

@@ -7,7 +7,7 @@ the strategy's scope on the first traced step (PSS cannot create variables
 inside a scheduled function), so `variables()` and `get_slot()` answer
 right after `apply_gradients`; the apply itself runs inside the core's
 critical section on the ps. Each call into an optimizer's internals goes
-through `tf_internals`.
+through `internals.keras_optimizers`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tensorflow as tf
 from tf2sync._src import multi_optimizer
 from tf2sync._src import sharding
 from tf2sync._src import step_context
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import keras_optimizers
 
 
 def is_tf1(opt) -> bool:
@@ -37,9 +37,9 @@ def build(opt, var_list):
     if is_multi(opt):  # routes the variables, builds each group's slots
         opt.build(var_list)
     elif is_tf1(opt):
-        tf_internals.tf1_optimizer_create_slots(opt, var_list)
+        keras_optimizers.tf1_optimizer_create_slots(opt, var_list)
     elif is_keras_legacy(opt):
-        tf_internals.legacy_create_all_weights(opt, var_list)
+        keras_optimizers.legacy_create_all_weights(opt, var_list)
     else:
         opt.build(var_list)
 
@@ -59,7 +59,7 @@ def build_averages(averages, var_list):
 def variables(opt):
     """The inner optimizer's variables, whichever graph created them."""
     if is_tf1(opt):
-        found = tf_internals.tf1_optimizer_variables(opt)
+        found = keras_optimizers.tf1_optimizer_variables(opt)
         return sorted(found, key=lambda v: v.name)
     found = opt.variables
     # A tf_keras slot of a sharded variable is one `ShardedVariable`: listed
@@ -81,22 +81,22 @@ def apply(opt, strategy, grads_and_vars, global_step, name):
             # variable-valued update: start each one empty.
             key = tf.compat.v1.GraphKeys.TRAIN_OP
             del tf.compat.v1.get_collection_ref(key)[:]
-            return tf_internals.tf1_optimizer_apply(
+            return keras_optimizers.tf1_optimizer_apply(
                 opt, strategy, grads_and_vars, global_step
             )
         var_list = [v for _, v in grads_and_vars]
         if is_multi(opt):  # each group's share; its `iterations` +1
             update = opt.apply_aggregated(grads_and_vars)
         elif is_keras_legacy(opt):
-            update = tf_internals.legacy_distributed_apply(
+            update = keras_optimizers.legacy_distributed_apply(
                 opt,
                 strategy,
                 grads_and_vars,
-                tf_internals.legacy_prepare(opt, var_list),
+                keras_optimizers.legacy_prepare(opt, var_list),
                 name,
             )
         else:
-            update = tf_internals.new_distributed_apply(
+            update = keras_optimizers.new_distributed_apply(
                 opt, strategy, grads_and_vars
             )
         iterations = getattr(opt, "iterations", None)

@@ -19,10 +19,11 @@ from tf2sync._src import config as config_lib
 from tf2sync._src import keras_compat
 from tf2sync._src import sharding
 from tf2sync._src import strategy as strategy_lib
-from tf2sync._src import tf_internals
 from tf2sync._src.compat_v1 import engine
 from tf2sync._src.compat_v1 import hooks
 from tf2sync._src.compat_v1 import inner
+from tf2sync._src.internals import checkpoints
+from tf2sync._src.internals import keras_optimizers
 
 _KERAS = keras_compat.KERAS_OPTIMIZERS
 
@@ -180,8 +181,8 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
             )
         self._variables_to_average = variables_to_average
         super().__init__(use_locking, name)
-        if tf_internals.is_trackable(opt):
-            tf_internals.track_child(self, opt, "opt")  # slots in checkpoints
+        if keras_optimizers.is_trackable(opt):  # slots in checkpoints
+            keras_optimizers.track_child(self, opt, "opt")
         self._gradients_applied = False
         self._given_step = None
         self._strategy = tf.distribute.get_strategy()
@@ -215,7 +216,7 @@ class SyncReplicasOptimizer(tf.compat.v1.train.Optimizer):
 
     def __dir__(self):
         # The slots are saved through the inner optimizer (a child).
-        return tf_internals.dir_without_slot_owner(super().__dir__())
+        return checkpoints.dir_without_slot_owner(super().__dir__())
 
     def variables(self):
         """The inner optimizer's variables (local steps excluded)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf2sync._src import step_context
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import graph_ops
 
 
 class Step:
@@ -79,7 +79,7 @@ def check_results_unused(results, operations):
         if any(t.op in waiting for t in op.inputs) or any(
             c in waiting for c in op.control_inputs
         ):
-            if tf_internals.op_is_stateful(op) or any(
+            if graph_ops.op_is_stateful(op) or any(
                 t.dtype == tf.resource for t in op.inputs
             ):
                 raise ValueError(

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf2sync._src import tf_internals
 from tf2sync._src import watchdog
+from tf2sync._src.internals import autograph
 
 # The step limit when nothing is planned: never reached.
 NO_LIMIT = 2**62
@@ -58,7 +58,7 @@ class CountersMixin:
                     )
 
             # One per aggregator, each traced once: no retracing to warn of.
-            self._totals_function = tf_internals.without_retracing_warning(
+            self._totals_function = autograph.without_retracing_warning(
                 tf.function(read, autograph=False)
             )
         values = self._totals_function().numpy()

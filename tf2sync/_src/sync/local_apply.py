@@ -19,6 +19,8 @@ import threading
 
 import tensorflow as tf
 
+from tf2sync._src.internals import patches
+
 
 def _here(device):
     return tf.DeviceSpec.from_string(device)
@@ -61,20 +63,21 @@ def reads_as(variables, values):
     owner = threading.get_ident()
     try:
         for variable, value in zip(variables, values):
-            inner = getattr(variable, "_v", variable)  # PSS's caching wrapper
-            original = inner._read_variable_op
 
-            def read(*args, value=value, original=original, **kwargs):
-                if threading.get_ident() == owner and tf.inside_function():
-                    return value
-                return original(*args, **kwargs)
+            def wrap(original, value=value):
+                def read(*args, value=value, original=original, **kwargs):
+                    if threading.get_ident() == owner and tf.inside_function():
+                        return value
+                    return original(*args, **kwargs)
 
-            inner._read_variable_op = read
-            patched.append(inner)
+                return read
+
+            patches.variable_reads.install(variable, wrap)
+            patched.append(variable)
         yield
     finally:
-        for inner in patched:
-            del inner._read_variable_op
+        for variable in patched:
+            patches.variable_reads.uninstall(variable)
 
 
 class LocalApply:

@@ -1,4 +1,4 @@
-"""tf_internals: the private TF / tf_keras API, each piece without a cluster."""
+"""internals: the private TF / tf_keras API, each piece without a cluster."""
 
 import sys
 import types
@@ -8,7 +8,14 @@ import tensorflow as tf
 import tf_keras
 from absl.testing import absltest
 
-from tf2sync._src import tf_internals
+from tf2sync._src.internals import graph_ops
+from tf2sync._src.internals import keras_fit
+from tf2sync._src.internals import keras_optimizers
+from tf2sync._src.internals import keras_training
+from tf2sync._src.internals import mixed_precision
+from tf2sync._src.internals import patches
+from tf2sync._src.internals import ps_strategy
+from tf2sync._src.internals import ps_variables
 
 
 def _graph_ops(graph):
@@ -30,18 +37,18 @@ class GraphOpsTest(absltest.TestCase):
     def test_update_op_input_rewires_one_input(self):
         for graph in self._graphs():
             a, b, total, _ = _graph_ops(graph)
-            tf_internals.update_op_input(total.op, 1, b)
+            graph_ops.update_op_input(total.op, 1, b)
             self.assertEqual(list(total.op.inputs), [a, b])
             self.assertIn(total.op, b.consumers())
 
     def test_control_inputs_are_added_and_replaced(self):
         for graph in self._graphs():
             a, b, total, other = _graph_ops(graph)
-            tf_internals.add_control_inputs(total.op, [b.op, other.op])
+            graph_ops.add_control_inputs(total.op, [b.op, other.op])
             self.assertCountEqual(total.op.control_inputs, [b.op, other.op])
-            tf_internals.replace_control_inputs(total.op, [other.op])
+            graph_ops.replace_control_inputs(total.op, [other.op])
             self.assertEqual(total.op.control_inputs, [other.op])
-            tf_internals.replace_control_inputs(total.op, [])
+            graph_ops.replace_control_inputs(total.op, [])
             self.assertEqual(total.op.control_inputs, [])
             self.assertEqual(list(total.op.inputs), [a, a])
 
@@ -51,9 +58,9 @@ class GraphOpsTest(absltest.TestCase):
             with graph.as_default():
                 noise = tf.random.uniform([2])
                 handle = tf.raw_ops.VarHandleOp(dtype=tf.float32, shape=[])
-            self.assertFalse(tf_internals.op_is_stateful(total.op))
-            self.assertTrue(tf_internals.op_is_stateful(noise.op))
-            self.assertTrue(tf_internals.op_is_stateful(handle.op))
+            self.assertFalse(graph_ops.op_is_stateful(total.op))
+            self.assertTrue(graph_ops.op_is_stateful(noise.op))
+            self.assertTrue(graph_ops.op_is_stateful(handle.op))
 
     def test_set_up_without_grappler_keeps_the_rest_of_the_config(self):
         inner = tf.function(lambda x: (x + 1.0, x * 2.0))
@@ -63,7 +70,7 @@ class GraphOpsTest(absltest.TestCase):
         def outer(x, off):
             outputs = inner(x)
             if off:
-                tf_internals.set_up_without_grappler(outputs)
+                graph_ops.set_up_without_grappler(outputs)
             calls.extend({t.op for t in outputs})
             return outputs
 
@@ -83,7 +90,7 @@ class GraphOpsTest(absltest.TestCase):
         @tf.function
         def not_a_call(x):
             with self.assertRaisesRegex(TypeError, "outputs=.*function call"):
-                tf_internals.set_up_without_grappler(x + 1.0)
+                graph_ops.set_up_without_grappler(x + 1.0)
             return x
 
         not_a_call(tf.constant(1.0))
@@ -94,7 +101,7 @@ class VariableAndDatasetTest(absltest.TestCase):
         strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
         with strategy.scope():
             mirrored = tf.Variable(1.0)
-            plain = tf_internals.plain_resource_variable(
+            plain = ps_variables.plain_resource_variable(
                 [1, 2], "plain", dtype=tf.int64, device="/cpu:0"
             )
         self.assertIsInstance(mirrored, tf.distribute.DistributedValues)
@@ -102,7 +109,7 @@ class VariableAndDatasetTest(absltest.TestCase):
         self.assertEqual(plain.dtype, tf.int64)
         self.assertFalse(plain.trainable)
         self.assertIn("CPU:0", plain.device)
-        self.assertFalse(tf_internals.is_caching_variable(plain))
+        self.assertFalse(ps_variables.is_caching_variable(plain))
 
     def test_plain_resource_variable_is_lifted_out_of_a_function(self):
         made = []
@@ -110,7 +117,7 @@ class VariableAndDatasetTest(absltest.TestCase):
         @tf.function
         def make():
             if not made:
-                made.append(tf_internals.plain_resource_variable(3.0, "v"))
+                made.append(ps_variables.plain_resource_variable(3.0, "v"))
             return made[0].read_value()
 
         self.assertEqual(float(make()), 3.0)
@@ -118,8 +125,8 @@ class VariableAndDatasetTest(absltest.TestCase):
 
     def test_worker_local_dataset_leaves_a_dataset_alone(self):
         dataset = tf.data.Dataset.range(3)
-        self.assertIs(tf_internals.worker_local_dataset(dataset), dataset)
-        self.assertFalse(tf_internals.is_distributed_dataset(dataset))
+        self.assertIs(ps_strategy.worker_local_dataset(dataset), dataset)
+        self.assertFalse(ps_strategy.is_distributed_dataset(dataset))
 
     def test_replace_extended_class_wants_a_subclass(self):
         strategy = tf.distribute.get_strategy()
@@ -128,14 +135,14 @@ class VariableAndDatasetTest(absltest.TestCase):
             pass
 
         with self.assertRaisesRegex(TypeError, "does not subclass"):
-            tf_internals.replace_extended_class(strategy, Unrelated)
-        self.assertEqual(tf_internals.num_workers(strategy), 1)
+            patches.extended_class.install(strategy, Unrelated)
+        self.assertEqual(ps_strategy.num_workers(strategy), 1)
 
 
 class ClusterResolverTest(absltest.TestCase):
     def test_the_resolver_kept_where_the_public_property_has_none(self):
         self.assertIsNone(
-            tf_internals.cluster_resolver(tf.distribute.get_strategy())
+            ps_strategy.cluster_resolver(tf.distribute.get_strategy())
         )
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec({"worker": ["127.0.0.1:1"]})
@@ -144,9 +151,9 @@ class ClusterResolverTest(absltest.TestCase):
         kept = types.SimpleNamespace(
             cluster_resolver=None, _cluster_resolver=resolver
         )
-        self.assertIs(tf_internals.cluster_resolver(kept), resolver)
+        self.assertIs(ps_strategy.cluster_resolver(kept), resolver)
         public = types.SimpleNamespace(cluster_resolver=resolver)
-        self.assertIs(tf_internals.cluster_resolver(public), resolver)
+        self.assertIs(ps_strategy.cluster_resolver(public), resolver)
 
 
 class StackTest(absltest.TestCase):
@@ -157,7 +164,7 @@ class StackTest(absltest.TestCase):
 
         class _Inner:
             def call(self):
-                return tf_internals.caller_self_of_type("_Handler")
+                return keras_fit.caller_self_of_type("_Handler")
 
         outer = _Handler()
         self.assertIs(outer.call(_Inner()), outer)
@@ -168,11 +175,11 @@ class StackTest(absltest.TestCase):
 
         class Model:
             def fit(self, data_handler):
-                return tf_internals.running_fit_data_handler(model)
+                return keras_training.running_fit_data_handler(model)
 
         self.assertIs(Model.fit(model, handler), handler)
         self.assertIsNone(Model().fit(handler))  # another object's fit
-        self.assertIsNone(tf_internals.running_fit_data_handler(model))
+        self.assertIsNone(keras_training.running_fit_data_handler(model))
 
 
 class VersionGateTest(absltest.TestCase):
@@ -193,7 +200,7 @@ class VersionGateTest(absltest.TestCase):
         ):
             run_step.__qualname__ = qualname
             self.assertEqual(
-                tf_internals.is_keras_train_step(run_step), expected, qualname
+                keras_training.is_keras_train_step(run_step), expected, qualname
             )
 
     def test_tfa_multi_optimizer_by_module_without_tfa(self):
@@ -201,16 +208,16 @@ class VersionGateTest(absltest.TestCase):
         cls.__module__ = "tensorflow_addons.optimizers.discriminative"
         optimizer = cls()
         optimizer.optimizer_specs = []
-        self.assertTrue(tf_internals.is_tfa_multi_optimizer(optimizer))
+        self.assertTrue(keras_optimizers.is_tfa_multi_optimizer(optimizer))
         own = type("MultiOptimizer", (), {"optimizer_specs": []})()
-        self.assertFalse(tf_internals.is_tfa_multi_optimizer(own))
+        self.assertFalse(keras_optimizers.is_tfa_multi_optimizer(own))
 
     def test_standalone_keras_2_by_version(self):
         for version, expected in (("2.15.0", True), ("3.13.1", False)):
             keras = types.SimpleNamespace(__version__=version)
             with mock.patch.dict(sys.modules, {"keras": keras}):
                 self.assertEqual(
-                    tf_internals.standalone_keras_2_loaded(), expected
+                    keras_optimizers.standalone_keras_2_loaded(), expected
                 )
 
 
@@ -218,19 +225,19 @@ class KerasTest(absltest.TestCase):
     def test_legacy_kernels_update_like_apply_gradients(self):
         sgd = tf_keras.optimizers.legacy.SGD(0.5)
         var = tf.Variable([1.0, 2.0])
-        tf_internals.legacy_create_all_weights(sgd, [var])
-        state = tf_internals.legacy_prepare(sgd, [var])
-        tf_internals.legacy_apply_dense(
+        keras_optimizers.legacy_create_all_weights(sgd, [var])
+        state = keras_optimizers.legacy_prepare(sgd, [var])
+        keras_optimizers.legacy_apply_dense(
             sgd, tf.constant([1.0, 1.0]), var, state
         )
-        tf_internals.legacy_apply_sparse(
+        keras_optimizers.legacy_apply_sparse(
             sgd, tf.constant([2.0]), var, tf.constant([1]), state, unique=False
         )
         self.assertEqual(var.numpy().tolist(), [0.5, 0.5])
 
     def test_sparse_dedup_is_plain(self):
         legacy = tf_keras.optimizers.legacy
-        check = tf_internals.legacy_sparse_dedup_is_plain
+        check = keras_optimizers.legacy_sparse_dedup_is_plain
         self.assertTrue(check(legacy.SGD(0.1, momentum=0.9)))
         self.assertTrue(check(legacy.Adam(0.1)))
         self.assertFalse(check(legacy.SGD(0.1)))
@@ -240,40 +247,45 @@ class KerasTest(absltest.TestCase):
         sgd = tf_keras.optimizers.SGD(schedule)
         var = tf.Variable([1.0])
         sgd.build([var])
-        self.assertIsNone(tf_internals.created_step_variable(object()))
-        self.assertIs(tf_internals.created_step_variable(sgd), sgd.iterations)
-        if tf_internals.new_learning_rate_uncomputed(sgd):
-            tf_internals.new_compute_learning_rate(sgd)
-        self.assertFalse(tf_internals.new_learning_rate_uncomputed(sgd))
-        grads = tf_internals.new_clip_gradients(sgd, [tf.constant([1.0])])
-        tf_internals.new_update_step(sgd, grads[0], var)
+        self.assertIsNone(keras_optimizers.created_step_variable(object()))
+        self.assertIs(
+            keras_optimizers.created_step_variable(sgd), sgd.iterations
+        )
+        if keras_optimizers.new_learning_rate_uncomputed(sgd):
+            keras_optimizers.new_compute_learning_rate(sgd)
+        self.assertFalse(keras_optimizers.new_learning_rate_uncomputed(sgd))
+        grads = keras_optimizers.new_clip_gradients(sgd, [tf.constant([1.0])])
+        keras_optimizers.new_update_step(sgd, grads[0], var)
         self.assertEqual(var.numpy().tolist(), [0.0])
 
     def test_new_unknown_variables(self):
         adam = tf_keras.optimizers.Adam(0.1)
         first, later = tf.Variable([1.0]), tf.Variable([2.0])
-        self.assertEqual(tf_internals.new_unknown_variables(adam, [later]), [])
+        self.assertEqual(
+            keras_optimizers.new_unknown_variables(adam, [later]), []
+        )
         adam.build([first])
         self.assertEqual(
-            tf_internals.new_unknown_variables(adam, [first, later]), [later]
+            keras_optimizers.new_unknown_variables(adam, [first, later]),
+            [later],
         )
         # Where the check would be wrong the update step itself fails.
         with self.assertRaises(KeyError):
-            tf_internals.new_update_step(adam, tf.constant([1.0]), later)
+            keras_optimizers.new_update_step(adam, tf.constant([1.0]), later)
 
     def test_track_child(self):
         parent = tf_keras.optimizers.legacy.SGD(0.1)
         child = tf.Variable(1.0)
-        self.assertFalse(tf_internals.tracks_child(parent, "child"))
-        tf_internals.track_child(parent, child, "child")
-        self.assertTrue(tf_internals.tracks_child(parent, "child"))
-        self.assertEqual(tf_internals.optimizer_name(parent), "SGD")
+        self.assertFalse(keras_optimizers.tracks_child(parent, "child"))
+        keras_optimizers.track_child(parent, child, "child")
+        self.assertTrue(keras_optimizers.tracks_child(parent, "child"))
+        self.assertEqual(keras_optimizers.optimizer_name(parent), "SGD")
 
     def test_tf1_optimizer_variables_are_its_slots_and_non_slots(self):
         opt = tf.compat.v1.train.AdamOptimizer(0.1)
         var = tf.Variable([1.0])
         opt.apply_gradients([(tf.constant([1.0]), var)])
-        found = tf_internals.tf1_optimizer_variables(opt)
+        found = keras_optimizers.tf1_optimizer_variables(opt)
         self.assertLen(found, 4)  # beta1_power, beta2_power, m, v
         self.assertCountEqual(
             [id(v) for v in found], [id(v) for v in opt.variables()]
@@ -281,12 +293,12 @@ class KerasTest(absltest.TestCase):
 
     def test_epoch_logs_validator_is_overridden_and_restored(self):
         model = tf_keras.Sequential([tf_keras.layers.Dense(1)])
-        own = tf_internals.epoch_logs_validator(model)
-        tf_internals.override_epoch_logs_validator(model, lambda logs: "ours")
-        self.assertEqual(tf_internals.epoch_logs_validator(model)({}), "ours")
-        tf_internals.restore_epoch_logs_validator(model)
-        self.assertEqual(tf_internals.epoch_logs_validator(model), own)
-        tf_internals.restore_epoch_logs_validator(model)  # twice: no error
+        own = keras_training.epoch_logs_validator(model)
+        patches.exact_epoch_logs.install(model, lambda logs: "ours")
+        self.assertEqual(keras_training.epoch_logs_validator(model)({}), "ours")
+        patches.exact_epoch_logs.uninstall(model)
+        self.assertEqual(keras_training.epoch_logs_validator(model), own)
+        patches.exact_epoch_logs.uninstall(model)  # twice: no error
 
     def test_steps_per_execution_variable_is_replaced_untracked(self):
         model = tf_keras.Sequential(
@@ -294,29 +306,31 @@ class KerasTest(absltest.TestCase):
         )
         model.compile(loss="mse", steps_per_execution=3)
         self.assertEqual(
-            int(tf_internals.steps_per_execution_variable(model).numpy()), 3
+            int(keras_training.steps_per_execution_variable(model).numpy()), 3
         )
-        here = tf_internals.plain_resource_variable(5, "spe", dtype=tf.int64)
-        tf_internals.set_steps_per_execution_variable(model, here)
-        self.assertIs(tf_internals.steps_per_execution_variable(model), here)
+        here = ps_variables.plain_resource_variable(5, "spe", dtype=tf.int64)
+        keras_training.set_steps_per_execution_variable(model, here)
+        self.assertIs(keras_training.steps_per_execution_variable(model), here)
         self.assertNotIn(id(here), {id(v) for v in model.variables})
-        self.assertEqual(tf_internals.minimum_control_deps([here]), [])
+        self.assertEqual(keras_training.minimum_control_deps([here]), [])
 
 
 class MixedPrecisionTest(absltest.TestCase):
     def test_the_legacy_loss_scale_optimizer_is_a_public_one(self):
         public = tf_keras.mixed_precision.LossScaleOptimizer
         self.assertTrue(
-            issubclass(tf_internals.LegacyLossScaleOptimizer, public)
+            issubclass(mixed_precision.LegacyLossScaleOptimizer, public)
         )
         lso = public(tf_keras.optimizers.legacy.SGD(0.1))
-        self.assertIsInstance(lso, tf_internals.LegacyLossScaleOptimizer)
-        state = tf_internals.dynamic_loss_scale_state(lso)
+        self.assertIsInstance(lso, mixed_precision.LegacyLossScaleOptimizer)
+        state = mixed_precision.dynamic_loss_scale_state(lso)
         self.assertEqual(float(state.current_loss_scale.numpy()), 2.0**15)
         self.assertTrue(
-            tf_internals.is_wrapped_by_loss_scale_optimizer(lso.inner_optimizer)
+            mixed_precision.is_wrapped_by_loss_scale_optimizer(
+                lso.inner_optimizer
+            )
         )
-        self.assertTrue(tf_internals.keras_supports_loss_scaling())
+        self.assertTrue(mixed_precision.keras_supports_loss_scaling())
 
 
 if __name__ == "__main__":

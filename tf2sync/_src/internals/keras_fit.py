@@ -1,0 +1,199 @@
+"""What tf_keras's `fit`, `evaluate` and `predict` and their data handlers
+are doing now [2.21] [2.15: kept], for the coordinator.
+
+tf_keras's data handlers call the strategy's coordinator without saying
+who they are, nor for which call; the stack says (`sys._getframe`), and
+the handlers' and adapters' private attributes. The hooks tf2sync puts on
+a handler, its adapter or its dataset creator are in `patches`
+(`epoch_end_hook`, `repeat_keras_arrays`, `new_iterator_each_epoch`).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import typing
+
+import tf_keras
+from tf_keras.src.engine import data_adapter as keras_data_adapter
+
+
+def caller_self_of_type(type_name):
+    """The nearest caller's `self` whose class is named `type_name`, or None.
+
+    tf_keras's data handlers call the strategy without saying who they are;
+    the stack does (`sys._getframe`). If tf_keras renamed the class, this
+    finds nothing and each caller falls to its safe side. The names used
+    (`_ClusterCoordinatorDataHandler`, `..ExactEvalDataHandler`) [2.21].
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if type(owner).__name__ == type_name:
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _keras_call(model):
+    """The nearest frame of `model`'s `fit`, `evaluate` or `predict` (any
+    tf_keras model's where `model` is None), or None (`sys._getframe`;
+    tf_keras's method names [2.21] [2.15])."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in ("fit", "evaluate", "predict"):
+            owner = frame.f_locals.get("self")
+            if owner is model or (
+                model is None and isinstance(owner, tf_keras.Model)
+            ):
+                return frame
+        frame = frame.f_back
+    return None
+
+
+def keras_entry_point(model):
+    """Which of `model`'s `fit`, `evaluate` or `predict` is running now
+    (the nearest on the stack: `evaluate` inside `fit` for its validation
+    data), or None."""
+    frame = _keras_call(model)
+    return None if frame is None else frame.f_code.co_name
+
+
+def keras_input_role(model=None):
+    """What the input being built now is for: "fit" (its training data),
+    "validation" (`fit`'s `validation_data`), "evaluate", "predict", or
+    None outside them. `fit` builds its training data handler first, into
+    its local `data_handler`, and its validation one after [2.21] [2.15]."""
+    frame = _keras_call(model)
+    return None if frame is None else _input_role_of(frame)
+
+
+class FitValidation(typing.NamedTuple):
+    """What a running `fit` will validate on (`fit_validation`)."""
+
+    data: object  # `validation_data`, after `validation_split` made it
+    x: object  # its inputs, unpacked as tf_keras unpacks them
+    y: object  # its targets
+    steps: object  # `validation_steps`
+    validates: bool  # whether any epoch of this `fit` validates
+    split: object = None  # `validation_split`
+
+
+def fit_validation(model):
+    """A `FitValidation` of `model`'s `fit` while it builds its training
+    input, or None: outside `fit`, or once that input is built
+    (`keras_input_role`). tf_keras's argument and local names (`val_x`,
+    `val_y`), its truth test of `validation_data` and `_should_eval`
+    [2.21] [2.15]."""
+    frame = _keras_call(model)
+    if frame is None or _input_role_of(frame) != "fit":
+        return None
+    local = frame.f_locals
+    data = local.get("validation_data")
+    try:
+        validates = bool(data)
+    except ValueError:  # an array: tf_keras's own test refuses it
+        validates = True
+    if validates:
+        freq = local.get("validation_freq", 1)
+        try:
+            validates = any(
+                model._should_eval(epoch, freq)
+                for epoch in range(
+                    local.get("initial_epoch", 0), local.get("epochs", 1)
+                )
+            )
+        except ValueError:  # a bad validation_freq: tf_keras says so
+            validates = True
+    return FitValidation(
+        data,
+        local.get("val_x"),
+        local.get("val_y"),
+        local.get("validation_steps"),
+        validates,
+        local.get("validation_split"),
+    )
+
+
+def keras_converts_for_coordinator(x, y) -> bool:
+    """Whether tf_keras's coordinator data handler turns `x` and `y` into a
+    dataset: both tensors, NumPy arrays or pandas objects (otherwise it
+    raises NotImplementedError) [2.21] [2.15]."""
+    types = keras_data_adapter._get_tensor_types()
+    return isinstance(x, types) and isinstance(y, types)
+
+
+def _input_role_of(frame):
+    """`keras_input_role` of a frame `_keras_call` found."""
+    name = frame.f_code.co_name
+    if name == "fit" and "data_handler" in frame.f_locals:
+        return "validation"
+    return name
+
+
+def replica_mean_loss(loss_fn):
+    """`loss_fn` allowed to reduce to the mean over a replica's batch
+    under a strategy, where it is a tf_keras `Loss` of `AUTO` or
+    `SUM_OVER_BATCH_SIZE` reduction (tf_keras refuses those under a
+    strategy but in `compile`, which allows its own losses through
+    `_allow_sum_over_batch_size` [2.21] [2.15]): a copy, the user's object
+    left as it is. Any other `loss_fn` is returned as it is."""
+    reduction = tf_keras.losses.Reduction
+    if not isinstance(loss_fn, tf_keras.losses.Loss) or getattr(
+        loss_fn, "reduction", None
+    ) not in (reduction.AUTO, reduction.SUM_OVER_BATCH_SIZE):
+        return loss_fn
+    allowed = copy.copy(loss_fn)
+    allowed._allow_sum_over_batch_size = True
+    return allowed
+
+
+def exact_evaluation_shards(model) -> int:
+    """`compile(pss_evaluation_shards=...)` as tf_keras inferred it
+    (`_pss_evaluation_shards`; 0 without exact evaluation) [2.21] [2.15]."""
+    return int(getattr(model, "_pss_evaluation_shards", 0) or 0)
+
+
+def data_handler_model(handler):
+    """The model a tf_keras data handler serves (`_model`), or None."""
+    return getattr(handler, "_model", None)
+
+
+def data_handler_dataset_creator(handler):
+    """The `DatasetCreator` a data handler reads (its adapter's), or None."""
+    adapter = getattr(handler, "_adapter", None)
+    return getattr(adapter, "dataset_creator", None)
+
+
+def is_keras_arrays_creator(creator) -> bool:
+    """Whether `creator` is the `DatasetCreator` tf_keras's coordinator data
+    handler made of tensors, NumPy arrays or pandas objects
+    (`_convert_to_dataset_creator`'s `_dataset_fn`) [2.21] [2.15]."""
+    fn = getattr(creator, "dataset_fn", None)
+    return getattr(fn, "__qualname__", "").startswith(
+        "_ClusterCoordinatorDataHandler._convert_to_dataset_creator."
+    )
+
+
+def sync_then(handler, fn):
+    """`handler.sync`, then `fn(join)` with it (for
+    `patches.epoch_end_hook`)."""
+    join = handler.sync
+
+    def sync():
+        join()
+        fn(join)
+
+    return sync
+
+
+def repeating_dataset_fn(creator):
+    """`creator.dataset_fn` with its dataset repeated (for
+    `patches.repeat_keras_arrays`)."""
+    make = creator.dataset_fn
+    return lambda input_context: make(input_context).repeat()
+
+
+def data_handler_adapter(handler):
+    """A data handler's data adapter (`_adapter`)."""
+    return handler._adapter
