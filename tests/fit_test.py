@@ -647,20 +647,9 @@ class FitTest(parameterized.TestCase):
         before = model.get_weights()
         for validation, message in (
             (
-                finite,
-                r"`validation_data` must repeat: .* Add `.repeat\(\)` and "
-                r"pass `validation_steps` to `fit` .* Received: a dataset of "
-                r"4 elements.",
-            ),
-            (
                 finite.repeat(),
                 r"`validation_data` repeats forever: pass `validation_steps` "
                 r"to `fit`, .* Received: validation_steps=None",
-            ),
-            (
-                (x, y),
-                r"`validation_data` of arrays needs `validation_steps` .* "
-                r"Received: validation_data=tuple, validation_steps=None",
             ),
             (
                 (x.tolist(), y),  # tf_keras's coordinator reads no lists
@@ -682,19 +671,21 @@ class FitTest(parameterized.TestCase):
                     validation_data=validation,
                     verbose=0,
                 )
-        # Arrays fit splits off itself: the message names the split.
-        with self.assertRaisesRegex(
-            ValueError,
-            r"`validation_data` of arrays needs `validation_steps` .* "
-            r"Received: validation_data=tuple, validation_split=0.25, "
-            r"validation_steps=None",
-        ):
-            model.fit(x, y, epochs=2, steps_per_epoch=4, validation_split=0.25)
         self.assertEqual(int(model.optimizer.iterations.numpy()), 0)
         self.assertEqual(testutil.max_abs_diff(model.get_weights(), before), 0)
-        # With their steps (and the dataset repeating) both validate. The
-        # arrays make one batch of 32: each worker's copy holds 1 step.
-        for validation, steps in (((x, y), 1), (finite.repeat(), 2)):
+        # Finite data (a dataset, arrays, a split of them) is validated
+        # once, exactly (fit_inputs_test: the whole set's metrics); a
+        # repeating dataset with its steps, as each worker's copy.
+        history = model.fit(
+            x, y, epochs=1, steps_per_epoch=4, validation_split=0.25, verbose=0
+        )
+        self.assertLen(history.history["val_loss"], 1)
+        for validation, steps in (
+            ((x, y), None),
+            (finite, None),
+            ((x, y), 1),
+            (finite.repeat(), 2),
+        ):
             history = model.fit(
                 train,
                 epochs=1,
@@ -714,13 +705,13 @@ class FitTest(parameterized.TestCase):
             verbose=0,
         )
         self.assertNotIn("val_loss", history.history)
-        # evaluate is told its own argument.
-        with self.assertRaisesRegex(
-            ValueError,
-            r"The dataset must repeat: .* pass `steps` \(or compile with "
-            r"`pss_evaluation_shards`",
-        ):
-            model.evaluate(finite, verbose=0)
+        # evaluate reads finite data once too: the same examples, the same
+        # metrics, as a dataset or as arrays.
+        np.testing.assert_allclose(
+            model.evaluate(finite, verbose=0),
+            model.evaluate(x, y, batch_size=8, verbose=0),
+            rtol=1e-6,
+        )
 
     def test_exact_evaluation_reads_a_finite_dataset_once(self):
         # compile(pss_evaluation_shards=...): tf_keras shards a finite

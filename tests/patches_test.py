@@ -14,6 +14,7 @@ import tensorflow as tf
 import tf_keras
 from absl.testing import absltest
 
+from tf2sync._src import fit_inputs
 from tf2sync._src.internals import closures
 from tf2sync._src.internals import patch_kinds
 from tf2sync._src.internals import patches
@@ -109,6 +110,12 @@ def _cases():
         "sharded_autocast": _global_case(patches.sharded_autocast),
         "whole_weights_in_keras_files": _global_case(
             patches.whole_weights_in_keras_files
+        ),
+        "nested_array_inputs": _global_case(patches.nested_array_inputs),
+        "fit_and_evaluate_inputs": _global_case(
+            patches.fit_and_evaluate_inputs,
+            fit_inputs._wrap_fit,
+            fit_inputs._wrap_evaluate,
         ),
         "per_graph_read_cache": (
             lambda: patches.per_graph_read_cache.install(caching),

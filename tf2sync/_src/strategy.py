@@ -9,6 +9,7 @@ from absl import logging
 
 from tf2sync._src import config as config_lib
 from tf2sync._src import coordinator as coordinator_lib
+from tf2sync._src import fit_inputs
 from tf2sync._src import graph_rewrites
 from tf2sync._src import liveness
 from tf2sync._src import options as options_lib
@@ -147,6 +148,9 @@ class SyncParameterServerStrategy(
         model.fit(dataset, epochs=2, steps_per_epoch=10)
     """
 
+    # Read by modules that cannot import this one (`fit_inputs`).
+    _tf2sync_synchronous = True
+
     def __init__(
         self,
         cluster_resolver,
@@ -207,6 +211,7 @@ class SyncParameterServerStrategy(
         self._sync_config = config_lib.SyncConfig.create(
             replicas_to_aggregate, total_num_replicas
         )
+        fit_inputs.install()
         if self._sync_config.backup_note():
             logging.info("tf2sync: %s", self._sync_config.backup_note())
         variable_partitioner = sharding.checked(variable_partitioner)

@@ -14,6 +14,7 @@ import copy
 import sys
 import typing
 
+import tensorflow as tf
 import tf_keras
 from tf_keras.src.engine import data_adapter as keras_data_adapter
 
@@ -115,12 +116,76 @@ def fit_validation(model):
     )
 
 
+def is_keras_tensor_like(value) -> bool:
+    """Whether `value` is what tf_keras's coordinator handler converts: a
+    tensor, NumPy array or pandas object (`_get_tensor_types`) [2.21]."""
+    return isinstance(value, keras_data_adapter._get_tensor_types())
+
+
 def keras_converts_for_coordinator(x, y) -> bool:
     """Whether tf_keras's coordinator data handler turns `x` and `y` into a
-    dataset: both tensors, NumPy arrays or pandas objects (otherwise it
-    raises NotImplementedError) [2.21] [2.15]."""
-    types = keras_data_adapter._get_tensor_types()
-    return isinstance(x, types) and isinstance(y, types)
+    dataset: tensors, NumPy arrays or pandas objects, or dicts, lists and
+    tuples of them (`patches.nested_array_inputs`; otherwise it raises
+    NotImplementedError) [2.21] [2.15]."""
+    leaves = tf.nest.flatten(x) + tf.nest.flatten(y)
+    return all(is_keras_tensor_like(leaf) for leaf in leaves)
+
+
+# The name of the dataset function `nested_arrays_converter` makes.
+_NESTED_ARRAYS_CREATOR = "tf2sync_nested_arrays"
+
+
+def coordinator_handler_class():
+    """tf_keras's `_ClusterCoordinatorDataHandler` (for `patches`)."""
+    return keras_data_adapter._ClusterCoordinatorDataHandler
+
+
+def nested_arrays_converter(convert):
+    """tf_keras's `_convert_to_dataset_creator` (`convert`) taking dicts,
+    lists and tuples of arrays as its one-machine adapters take them
+    (`select_data_adapter`), each worker reading its own copy as of one
+    array; anything else goes to `convert` [2.21]."""
+
+    def convert_nested(handler, x, y, **kwargs):
+        leaves = tf.nest.flatten(x) + tf.nest.flatten(y)
+        if not (
+            isinstance(x, (dict, list, tuple))
+            and all(is_keras_tensor_like(leaf) for leaf in leaves)
+        ):
+            return convert(handler, x, y, **kwargs)
+
+        def dataset_fn(input_context):
+            del input_context  # each worker reads its own copy
+            adapter = keras_data_adapter.select_data_adapter(x, y)
+            return adapter(x=x, y=y, **kwargs).get_dataset()
+
+        dataset_fn.__qualname__ = _NESTED_ARRAYS_CREATOR
+        return tf.keras.utils.experimental.DatasetCreator(dataset_fn)
+
+    return convert_nested
+
+
+def has_added_metrics(model) -> bool:
+    """Whether a layer of `model` has metrics of `add_metric` that are not
+    compiled ones: tf_keras's exact evaluation refuses them
+    (`_disallow_exact_eval_with_add_metrics`) [2.21]."""
+    compiled = model.compiled_metrics.metrics if model.compiled_metrics else []
+    return any(
+        metric not in compiled
+        for layer in model._flatten_layers()
+        for metric in layer._metrics
+    )
+
+
+def set_exact_evaluation_shards(model, shards: int) -> None:
+    """`compile(pss_evaluation_shards=shards)` after the fact (tf_keras
+    reads `_pss_evaluation_shards` at each `evaluate`), and the test
+    function made for the other kind forgotten: tf_keras keeps either kind
+    in `test_function`, and `make_test_function` returns the one it has
+    [2.21]."""
+    if int(getattr(model, "_pss_evaluation_shards", 0) or 0) != int(shards):
+        model.test_function = None
+    model._pss_evaluation_shards = int(shards)
 
 
 def _input_role_of(frame):
@@ -170,7 +235,8 @@ def is_keras_arrays_creator(creator) -> bool:
     handler made of tensors, NumPy arrays or pandas objects
     (`_convert_to_dataset_creator`'s `_dataset_fn`) [2.21] [2.15]."""
     fn = getattr(creator, "dataset_fn", None)
-    return getattr(fn, "__qualname__", "").startswith(
+    name = getattr(fn, "__qualname__", "")
+    return name == _NESTED_ARRAYS_CREATOR or name.startswith(
         "_ClusterCoordinatorDataHandler._convert_to_dataset_creator."
     )
 

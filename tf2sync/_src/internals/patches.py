@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import weakref
 
+import tf_keras
 from tensorflow.python.autograph.core import config as autograph_config
 from tf_keras.src.engine import base_layer as keras_base_layer
 from tf_keras.src.mixed_precision import autocast_variable
@@ -100,6 +101,38 @@ sharded_autocast = patch_kinds.GlobalPatch(
     versions="[2.21] [2.15: kept]",
     where="strategy.SyncParameterServerStrategy.__init__, given a "
     "variable_partitioner",
+)
+
+nested_array_inputs = patch_kinds.GlobalPatch(
+    "nested_array_inputs",
+    [(keras_fit.coordinator_handler_class(), "_convert_to_dataset_creator")],
+    lambda current: [keras_fit.nested_arrays_converter(current[0])],
+    replaces="tf_keras.src.engine.data_adapter."
+    "_ClusterCoordinatorDataHandler._convert_to_dataset_creator",
+    why="""Lets `fit`, `evaluate` and `predict` under a ParameterServerStrategy
+    take dicts, lists and tuples of arrays, as they take one array: tf_keras
+    turns one array into a `DatasetCreator` of its one-machine adapter and
+    refuses the others with a `NotImplementedError`, though its adapters
+    read them (`keras_fit.nested_arrays_converter`).""",
+    versions="[2.21]",
+    where="fit_inputs.install(), from SyncParameterServerStrategy.__init__",
+)
+
+fit_and_evaluate_inputs = patch_kinds.GlobalPatch(
+    "fit_and_evaluate_inputs",
+    [(tf_keras.Model, "fit"), (tf_keras.Model, "evaluate")],
+    lambda current, wrap_fit, wrap_evaluate: [
+        wrap_fit(current[0]),
+        wrap_evaluate(current[1]),
+    ],
+    replaces="tf_keras.Model.fit and tf_keras.Model.evaluate",
+    why="""Wraps `fit` and `evaluate` with `fit_inputs`'s: under a
+    `SyncParameterServerStrategy` (other models call tf_keras's as they
+    are) `steps_per_epoch` is derived from arrays, and finite evaluation
+    data (arrays, finite datasets) is read by tf_keras's exact evaluation,
+    turned on for the call, so that every example is scored once.""",
+    versions="[2.21]",
+    where="fit_inputs.install(), from SyncParameterServerStrategy.__init__",
 )
 
 whole_weights_in_keras_files = patch_kinds.GlobalPatch(
@@ -398,6 +431,8 @@ REGISTRY = {
         loss_scaling_predicate,
         sharded_autocast,
         whole_weights_in_keras_files,
+        nested_array_inputs,
+        fit_and_evaluate_inputs,
         per_graph_read_cache,
         extended_class,
         worker_failure_hook,

@@ -1,0 +1,287 @@
+"""What `fit` and `evaluate` take under `SyncParameterServerStrategy`.
+
+Under a ParameterServerStrategy tf_keras refuses, or reads wrongly, input
+it takes on one machine. Installed when the first strategy is created,
+`fit` and `evaluate` of a model under one (other models are untouched):
+
+* take dicts, lists and tuples of NumPy arrays (tensors, pandas objects)
+  as they take one array: each worker reads its own shuffled copy, as
+  tf_keras does for one array under PSS;
+* derive `steps_per_epoch` from such arrays when it is not given: one
+  pass of the examples at `batch_size`, shared by the workers (logged);
+* evaluate finite data exactly, once: arrays (`validation_data=(x, y)`,
+  `evaluate(x, y)`) and finite `tf.data` datasets are read through
+  tf_keras's exact evaluation (`compile(pss_evaluation_shards=...)`), which
+  splits them into shards, each read by one worker, each element once,
+  so `val_*` and `evaluate` are the metrics of the whole set. Without it,
+  each worker read its own copy from its start: the first batches counted
+  once per worker and the rest never. Not where tf_keras's exact
+  evaluation cannot run (a model with its own `test_step`, or metrics of
+  `add_metric`): there a finite input keeps needing `validation_steps` /
+  `steps` (refused in one line otherwise, `coordinator.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging as logging_lib
+import math
+
+import tensorflow as tf
+import tf_keras
+from absl import logging
+
+from tf2sync._src.internals import keras_fit
+from tf2sync._src.internals import patches
+from tf2sync._src.internals import ps_strategy
+
+# tf_keras's `pss_evaluation_shards="auto"`: shards per worker.
+SHARDS_PER_WORKER = 5
+_DEFAULT_BATCH_SIZE = 32  # tf_keras's, for arrays without `batch_size`
+
+
+def install() -> None:
+    """Installs the patches `nested_array_inputs` and
+    `fit_and_evaluate_inputs` (idempotent)."""
+    patches.nested_array_inputs.install()
+    patches.fit_and_evaluate_inputs.install(_wrap_fit, _wrap_evaluate)
+
+
+def _under_sync(model) -> bool:
+    return getattr(model.distribute_strategy, "_tf2sync_synchronous", False)
+
+
+def is_arrays(value) -> bool:
+    """Whether `value` is an array or a dict, list or tuple of them (what
+    tf_keras's one-machine adapters read as arrays)."""
+    if value is None:
+        return False
+    leaves = tf.nest.flatten(value)
+    return bool(leaves) and all(
+        keras_fit.is_keras_tensor_like(leaf) for leaf in leaves
+    )
+
+
+def _num_examples(x) -> int:
+    return len(tf.nest.flatten(x)[0])
+
+
+def exact_allowed(model) -> bool:
+    """Whether tf_keras's exact evaluation reads `model` as `evaluate`
+    would: its own `test_step` is skipped there, and metrics of
+    `add_metric` refused."""
+    own_step = type(model).test_step is not tf_keras.Model.test_step
+    return not own_step and not keras_fit.has_added_metrics(model)
+
+
+def _finite(dataset) -> bool:
+    return int(dataset.cardinality()) >= 0
+
+
+def _arrays_dataset(x, y, sample_weight, batch_size):
+    """Arrays as a finite batched dataset."""
+    parts = tuple(p for p in (x, y, sample_weight) if p is not None)
+    parts = tf.nest.map_structure(
+        lambda v: v.to_numpy() if hasattr(v, "to_numpy") else v, parts
+    )
+    return tf.data.Dataset.from_tensor_slices(parts).batch(
+        batch_size or _DEFAULT_BATCH_SIZE
+    )
+
+
+def _single_output_of_one(model) -> bool:
+    """Whether `model` has one output of shape `(batch, 1)`."""
+    try:
+        shape = model.output_shape
+    except (AttributeError, RuntimeError):  # not built, or several outputs
+        return False
+    return isinstance(shape, tuple) and len(shape) == 2 and shape[-1] == 1
+
+
+def for_exact_evaluation(model, dataset, steps):
+    """`dataset` (finite, batched) as tf_keras's exact evaluation reads it
+    right: `steps` batches if given; labels of rank 1 given the rank of a
+    `(batch, 1)` output (its cloned metrics skip the rank matching of
+    `compile`'s metrics, and compared a label vector with a column, a
+    partial batch's accuracy came out wrong); shards of batches (tf.data's
+    AUTO policy may try files, and fail)."""
+    if steps:
+        dataset = dataset.take(steps)
+    if _single_output_of_one(model):
+
+        def match(*element):
+            x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(
+                element if len(element) > 1 else element[0]
+            )
+            if y is not None and y.shape.rank == 1:
+                y = tf.expand_dims(y, -1)
+            return tf.keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+
+        dataset = dataset.map(match)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA
+    )
+    return dataset.with_options(options)
+
+
+def _build_metrics(model, dataset, evaluate) -> None:
+    """Builds the compiled metrics with one step of tf_keras's own
+    `evaluate` (exact evaluation clones them, and a model's first step
+    builds them): before the model ever trained or evaluated."""
+    if model.compiled_metrics is None or model.compiled_metrics.built:
+        return
+    evaluate(model, dataset.take(1).repeat(), steps=1, verbose=0)
+
+
+class _NotShardableNote(logging_lib.Filter):
+    """Drops tf_keras's note that exact evaluation of a dataset of slices
+    "may be slower than inexact evaluation": tf2sync chose it, and the
+    inexact one scores the wrong examples."""
+
+    def filter(self, record):
+        return not record.getMessage().startswith("Found source dataset")
+
+
+class _ExactEvaluation:
+    """Turns tf_keras's exact evaluation on for one call, if it was off:
+    `SHARDS_PER_WORKER` shards per worker, at most one per batch of
+    `dataset` (tf.data cannot cut a dataset into more shards than it has
+    elements)."""
+
+    def __init__(self, model, dataset=None):
+        self._model = model
+        self._enabled = (
+            dataset is not None
+            and keras_fit.exact_evaluation_shards(model) == 0
+        )
+        if self._enabled:
+            workers = ps_strategy.num_workers(model.distribute_strategy)
+            self._shards = max(
+                1, min(SHARDS_PER_WORKER * workers, int(dataset.cardinality()))
+            )
+        self._filter = _NotShardableNote()
+
+    def __enter__(self):
+        if self._enabled:
+            keras_fit.set_exact_evaluation_shards(self._model, self._shards)
+            logging_lib.getLogger("tensorflow").addFilter(self._filter)
+
+    def __exit__(self, *exc):
+        if self._enabled:
+            keras_fit.set_exact_evaluation_shards(self._model, 0)
+            logging_lib.getLogger("tensorflow").removeFilter(self._filter)
+
+
+def _as_python(result):
+    """tf_keras's exact `evaluate` returns tensors; one machine's, floats."""
+    if isinstance(result, dict):
+        return {k: _as_python(v) for k, v in result.items()}
+    if isinstance(result, (list, tuple)):
+        return [_as_python(v) for v in result]
+    return float(result) if hasattr(result, "numpy") else result
+
+
+def _split_arrays(model, arguments) -> None:
+    """`validation_split` of arrays done as tf_keras does it (the last
+    examples, unshuffled), the split off part given as `validation_data`,
+    which is then validated exactly; where exact evaluation cannot run,
+    left to tf_keras."""
+    split = arguments.get("validation_split") or 0.0
+    if not split or arguments.get("validation_data") is not None:
+        return
+    if not exact_allowed(model):
+        return
+    at = int(_num_examples(arguments["x"]) * (1.0 - split))
+    head, tail = {}, []
+    for name in ("x", "y", "sample_weight"):
+        value = arguments.get(name)
+        if value is None:
+            tail.append(None)
+            continue
+        head[name] = tf.nest.map_structure(lambda a: a[:at], value)
+        tail.append(tf.nest.map_structure(lambda a: a[at:], value))
+    arguments.update(head, validation_split=0.0, validation_data=tuple(tail))
+
+
+def _wrap_fit(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def fit(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        arguments = bound.arguments
+        model = arguments["self"]
+        if not _under_sync(model):
+            return original(*args, **kwargs)
+        x, batch = arguments.get("x"), arguments.get("batch_size")
+        if is_arrays(x):
+            _split_arrays(model, arguments)
+            x = arguments["x"]
+        if is_arrays(x) and arguments.get("steps_per_epoch") is None:
+            n = _num_examples(x)
+            steps = max(1, math.ceil(n / (batch or _DEFAULT_BATCH_SIZE)))
+            arguments["steps_per_epoch"] = steps
+            logging.info(
+                "tf2sync: steps_per_epoch=%d (%d examples at batch_size %d, "
+                "shared by the workers)",
+                steps,
+                n,
+                batch or _DEFAULT_BATCH_SIZE,
+            )
+        data = arguments.get("validation_data")
+        exact = None
+        if data is not None and exact_allowed(model):
+            if isinstance(data, (tuple, list)) and is_arrays(data[0]):
+                exact = _arrays_dataset(
+                    *(tuple(data) + (None,))[:3],
+                    arguments.get("validation_batch_size") or batch,
+                )
+            elif isinstance(data, tf.data.Dataset) and _finite(data):
+                exact = data
+        if exact is not None:
+            exact = for_exact_evaluation(
+                model, exact, arguments.get("validation_steps")
+            )
+            arguments["validation_data"] = exact
+            arguments["validation_steps"] = None
+        with _ExactEvaluation(model, exact):
+            return original(*bound.args, **bound.kwargs)
+
+    return fit
+
+
+def _wrap_evaluate(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def evaluate(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        arguments = bound.arguments
+        model = arguments["self"]
+        inner = arguments.get("kwargs", {})
+        if not _under_sync(model) or inner.get("_use_cached_eval_dataset"):
+            return original(*args, **kwargs)  # fit's validation: as set up
+        x = arguments.get("x")
+        exact = None
+        if exact_allowed(model):
+            if is_arrays(x):
+                exact = _arrays_dataset(
+                    x,
+                    arguments.get("y"),
+                    arguments.get("sample_weight"),
+                    arguments.get("batch_size"),
+                )
+                arguments.update(y=None, sample_weight=None)
+            elif isinstance(x, tf.data.Dataset) and _finite(x):
+                exact = x
+        if exact is None:
+            return original(*bound.args, **bound.kwargs)
+        exact = for_exact_evaluation(model, exact, arguments.get("steps"))
+        arguments.update(x=exact, steps=None)
+        _build_metrics(model, exact, original)
+        with _ExactEvaluation(model, exact):
+            return _as_python(original(*bound.args, **bound.kwargs))
+
+    return evaluate
