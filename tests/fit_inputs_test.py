@@ -19,6 +19,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import tf2sync
+from tf2sync._src import sharding
 
 BATCH = 64
 VOCAB_A, VOCAB_B = 1000, 100
@@ -82,7 +83,7 @@ def _trained(num_workers):
 
 def _one_process(model, x, y):
     local = _compile(_click_model(), "sgd")
-    local.set_weights(model.get_weights())
+    local.set_weights(sharding.whole_weights(model.weights))
     return local, local.evaluate(
         x, y, batch_size=BATCH, verbose=0, return_dict=True
     )
@@ -143,6 +144,43 @@ class ExactValidationTest(parameterized.TestCase):
             rtol=1e-5,
             atol=1e-6,
         )
+
+    def test_sharded_tables_on_two_ps(self):
+        # The recommender's case: its tables split over 2 ps.
+        strategy = testutil.strategy(
+            2,
+            2,
+            replicas_to_aggregate=2,
+            total_num_replicas=2,
+            variable_partitioner=(
+                tf.distribute.experimental.partitioners.FixedShardsPartitioner(
+                    2
+                )
+            ),
+        )
+        with strategy.scope():
+            model = _compile(
+                _click_model(),
+                tf2sync.SyncOptimizer(tf.keras.optimizers.legacy.Adagrad(0.1)),
+            )
+        self.assertNotEmpty(sharding.sharded_groups(model.variables))
+        x, y = _data(1024, seed=0)
+        xv, yv = _data(301, seed=1)
+        history = model.fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=1,
+            validation_data=(xv, yv),
+            verbose=0,
+        )
+        _, expected = _one_process(model, xv, yv)
+        got = {
+            k[len("val_") :]: v[-1]
+            for k, v in history.history.items()
+            if k.startswith("val_")
+        }
+        self._assert_metrics(got, expected)
 
     def test_a_dataset_of_dicts_trains_and_validates(self):
         model = _trained(2)

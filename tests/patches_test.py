@@ -15,6 +15,7 @@ import tf_keras
 from absl.testing import absltest
 
 from tf2sync._src import fit_inputs
+from tf2sync._src import sharding
 from tf2sync._src.internals import closures
 from tf2sync._src.internals import patch_kinds
 from tf2sync._src.internals import patches
@@ -110,6 +111,9 @@ def _cases():
         "sharded_autocast": _global_case(patches.sharded_autocast),
         "whole_weights_in_keras_files": _global_case(
             patches.whole_weights_in_keras_files
+        ),
+        "h5_refuses_sharded": _global_case(
+            patches.h5_refuses_sharded, sharding.refusing_h5
         ),
         "nested_array_inputs": _global_case(patches.nested_array_inputs),
         "fit_and_evaluate_inputs": _global_case(

@@ -682,6 +682,30 @@ class CheckpointTest(parameterized.TestCase):
 
 
 class ExportTest(absltest.TestCase):
+    def test_h5_of_a_sharded_model_is_refused_at_save(self):
+        # h5 keeps one entry per shard: the file saved without a word and
+        # failed to load into another sharding (issue 55).
+        model, _ = trained(3)
+        directory = tempfile.mkdtemp()
+        for save, name, kwargs in (
+            (model.save, "model.h5", {}),
+            (model.save, "model", {"save_format": "h5"}),
+            (model.save_weights, "weights.h5", {}),
+            (model.save_weights, "weights.keras", {}),  # h5 for weights
+        ):
+            path = os.path.join(directory, name)
+            with self.assertRaisesRegex(
+                ValueError,
+                r"^A model with sharded variables cannot be saved as HDF5 "
+                r"\(save(_weights)?\): .* Save it as \.keras .* Received: "
+                r"filepath=",
+            ):
+                save(path, **kwargs)
+            self.assertFalse(os.path.exists(path))
+        # The formats it names save.
+        model.save(os.path.join(directory, "model.keras"))
+        model.save_weights(os.path.join(directory, "checkpoint"))
+
     def test_a_sharded_model_exports_and_loads_without_tf2sync(self):
         model, _ = trained(3)
         x, _ = testutil.data("sparse", 16)

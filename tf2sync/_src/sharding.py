@@ -20,6 +20,7 @@ later, on a return value such as `0`, `2.5` or `[2, 2]`.
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import numpy as np
@@ -119,3 +120,43 @@ def sharded_groups(variables) -> list:
         for container, parts in ps_variables.group_shards(variables)
         if container is not None
     ]
+
+
+_H5_SUFFIXES = (".h5", ".hdf5")
+
+
+def _is_h5(filepath, save_format, method: str) -> bool:
+    """Whether tf_keras writes HDF5 for `method(filepath, save_format)`."""
+    if save_format is not None:
+        return str(save_format).lower() in ("h5", "hdf5")
+    path = str(getattr(filepath, "filename", filepath))
+    suffixes = _H5_SUFFIXES + ((".keras",) if method == "save_weights" else ())
+    return path.endswith(suffixes)
+
+
+def refusing_h5(method, name: str):
+    """`tf_keras.Model.save` or `save_weights` (`method`, named `name`)
+    refusing HDF5 for a model with sharded variables: h5 keeps one entry
+    per shard, and the file loads only into a model of the same sharding
+    (`Weight count mismatch` otherwise), where `.keras`, SavedModels and
+    checkpoints keep each table whole (`patches.h5_refuses_sharded`)."""
+
+    @functools.wraps(method)
+    def save(model, filepath, *args, **kwargs):
+        save_format = kwargs.get(
+            "save_format", args[1] if len(args) > 1 else None
+        )
+        if _is_h5(filepath, save_format, name) and sharded_groups(
+            model.variables
+        ):
+            raise ValueError(
+                f"A model with sharded variables cannot be saved as HDF5 "
+                f"({name}): h5 keeps one entry per shard and loads only into "
+                "the same sharding. Save it as .keras (model.save("
+                '"model.keras")), a SavedModel, or a TensorFlow checkpoint '
+                "(save_weights to a path without .h5). Received: "
+                f"filepath={str(filepath)!r}"
+            )
+        return method(model, filepath, *args, **kwargs)
+
+    return save

@@ -218,6 +218,7 @@ class SyncParameterServerStrategy(
         if variable_partitioner is not None:
             patches.sharded_autocast.install()  # mixed_float16 layers
             patches.whole_weights_in_keras_files.install()
+            patches.h5_refuses_sharded.install(sharding.refusing_h5)
         if token_timeout is not None and not float(token_timeout) > 0:
             raise ValueError(
                 "`token_timeout` must be a positive number of seconds or "
