@@ -14,6 +14,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import tf2sync
+from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import loops
 from tf2sync._src import trainer as trainer_lib
 from tf2sync._src import trainer_checks
@@ -654,11 +655,14 @@ class TrainerTest(parameterized.TestCase):
         uninterrupted = model.get_weights()
         ema = [v.numpy() for v in optimizer.ema_variables]
 
+        totals = callbacks_lib.sync_totals(optimizer)
+
         directory = tempfile.mkdtemp()
         strategy, model, optimizer = _parts()
         _trainer(
             (strategy, model, optimizer), 2, checkpoint_dir=directory
         ).train(_dataset_fn, epochs=2, steps_per_epoch=4)
+        halfway = callbacks_lib.sync_totals(optimizer)
         # A new process would start from scratch: a fresh strategy, model
         # (other initial weights) and optimizer, the same checkpoint_dir.
         strategy, model, optimizer = _parts(seed=7)
@@ -667,6 +671,20 @@ class TrainerTest(parameterized.TestCase):
         ).train(_dataset_fn, epochs=4, steps_per_epoch=4)
         self.assertLen(history.history["loss"], 2)  # epochs 3 and 4 only
         self.assertEqual(int(optimizer.iterations.numpy()), 8)
+        # The counters go on from the checkpoint's, as the global step
+        # does: per worker, the resumed run's accepted pushes are on top
+        # of the first run's (each worker's share varies run to run).
+        resumed = callbacks_lib.sync_totals(optimizer)
+        self.assertEqual(resumed["accepted"], totals["accepted"])
+        for i in range(2):
+            self.assertGreaterEqual(
+                resumed[f"accepted_w{i}"], halfway[f"accepted_w{i}"]
+            )
+        self.assertEqual(
+            sum(resumed[f"accepted_w{i}"] for i in range(2)),
+            resumed["accepted"],
+        )
+        self.assertGreater(resumed["barrier_wait_s"], halfway["barrier_wait_s"])
         self.assertLess(
             testutil.max_abs_diff(model.get_weights(), uninterrupted), 1e-6
         )

@@ -11,6 +11,7 @@ one and continues from the next epoch.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import time
 
@@ -173,6 +174,42 @@ def check_model_fits(build_model, directory: str) -> None:
         )
 
 
+# Beside each checkpoint `<prefix>`: its SyncOptimizer's counters (JSON).
+_TOTALS = ".sync_totals.json"
+
+
+def _aggregator_of(checkpoint):
+    """The `Aggregator` of the `SyncOptimizer` `checkpoint` saves, or None
+    (no optimizer, or another kind: the TF1 shim counts nothing)."""
+    optimizer = getattr(checkpoint, "optimizer", None)
+    try:
+        return callbacks_lib.find_sync_optimizer(optimizer)._aggregator
+    except (ValueError, AttributeError):
+        return None
+
+
+def save_sync_totals(checkpoint, path: str) -> None:
+    """Writes the counters of `checkpoint`'s SyncOptimizer beside `path`,
+    so that a resume goes on counting (`restore_sync_totals`)."""
+    aggregator = _aggregator_of(checkpoint)
+    if aggregator is None:
+        return
+    totals = aggregator.totals()
+    with tf.io.gfile.GFile(path + _TOTALS, "w") as f:
+        f.write(json.dumps(totals))
+
+
+def restore_sync_totals(checkpoint, path: str) -> None:
+    """Sets the counters saved beside checkpoint `path`, if any: the
+    stale, accepted and per-worker counts and the barrier wait go on from
+    the saved run's (as the global step does), for this run's workers."""
+    aggregator = _aggregator_of(checkpoint)
+    if aggregator is None or not tf.io.gfile.exists(path + _TOTALS):
+        return
+    with tf.io.gfile.GFile(path + _TOTALS) as f:
+        aggregator.restore_totals(json.loads(f.read()))
+
+
 class EpochCheckpoint(tf_keras.callbacks.Callback):
     """Saves model and optimizer after every epoch; restores on request."""
 
@@ -196,6 +233,7 @@ class EpochCheckpoint(tf_keras.callbacks.Callback):
             return 0
         check_shapes(self._checkpoint, latest)
         self._checkpoint.restore(latest).assert_existing_objects_matched()
+        restore_sync_totals(self._checkpoint, latest)
         logging.warning("Resumed from %s", latest)
         return _epoch_of(latest)
 
@@ -324,6 +362,7 @@ class OneTraceSaver:
         tf.io.gfile.makedirs(directory)
         path = os.path.join(directory, f"{self._name}-{checkpoint_number}")
         write(tf.constant(path))
+        save_sync_totals(self._checkpoint, path)
         self._record(directory, path)
         return path
 

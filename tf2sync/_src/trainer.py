@@ -454,6 +454,7 @@ class Trainer:
             self._manager.checkpoint.restore(
                 latest
             ).assert_existing_objects_matched()
+            checkpointing.restore_sync_totals(self._manager.checkpoint, latest)
 
     def _per_worker_iterator(self, dataset_fn):
         """An iterator of `dataset_fn`'s distributed dataset on each worker."""

@@ -76,6 +76,29 @@ class CountersMixin:
             totals[f"stale_w{i}"] = int(values[3 + n + i])
         return totals
 
+    def restore_totals(self, totals: dict) -> None:
+        """Sets the counters to `totals` (a `totals()` a checkpoint kept
+        beside it), eagerly: per-worker ones for this cluster's workers,
+        0 for a worker the saved run did not have. The global step is the
+        checkpoint's own."""
+        n = self.num_workers
+        with tf.init_scope():
+            for name, variable in (
+                ("stale_dropped", self.stale_dropped),
+                ("nonfinite_dropped", self.nonfinite_dropped),
+                ("accepted", self.accepted),
+                ("over_plan_dropped", self.over_plan),
+            ):
+                variable.assign(int(totals.get(name, 0)))
+            self.wait_seconds.assign(float(totals.get("barrier_wait_s", 0.0)))
+            for prefix, variable in (
+                ("accepted_w", self.accepted_per_worker),
+                ("stale_w", self.stale_per_worker),
+            ):
+                variable.assign(
+                    [int(totals.get(f"{prefix}{i}", 0)) for i in range(n)]
+                )
+
     def _counters(self):
         """`[global step, stale, non-finite, accepted per worker...,
         stale per worker..., total barrier wait]` as one float64 vector
