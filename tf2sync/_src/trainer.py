@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import inspect
 import sys
-import time
 
 import tensorflow as tf
 import tf_keras
@@ -14,19 +12,15 @@ import tf_keras
 from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import checkpointing
 from tf2sync._src import compat_v1
-from tf2sync._src import coordinator as coordinator_lib
 from tf2sync._src import data_service
 from tf2sync._src import loops
 from tf2sync._src import options as options_lib
-from tf2sync._src import step_context
 from tf2sync._src import trainer_checks as checks
-from tf2sync._src.internals import autograph
-from tf2sync._src.internals import cluster_coordinator
+from tf2sync._src import trainer_epochs
 from tf2sync._src.internals import keras_fit
-from tf2sync._src.internals import ps_strategy
 
 
-class Trainer:
+class Trainer(trainer_epochs.EpochsMixin):
     """Synchronous custom-loop training with Keras callbacks and checkpoints.
 
     Protocol, per epoch:
@@ -232,98 +226,6 @@ class Trainer:
 
     # Driver ---------------------------------------------------------------
 
-    def _loop_function(self, steps=None, traces=None):
-        """The function of `steps` (default `steps_per_loop`) steps; it
-        copies the step's trace from `traces` (a `loops.StepTraces`) if
-        another function made it."""
-        steps = self.steps_per_loop if steps is None else steps
-        group = self._copies_per_group()
-
-        @autograph.function_of_tf2sync
-        def loop(iterator):
-            def step(total, iterator):
-                loss = self.strategy.run(
-                    self.train_step, args=(next(iterator),)
-                )
-                return total + tf.cast(loss, tf.float32)
-
-            total = loops.repeat(
-                step,
-                steps,
-                group,
-                tf.constant(0.0),
-                trace_once=not self._shim,
-                inputs=(iterator,),
-                traces=traces,
-            )
-            return total / steps
-
-        return loop
-
-    def _single_step_loop(self, traces):
-        """The function of one step that runs a `train` call's first loop
-        as single steps, or None.
-
-        As `fit`'s first call, where `loops.starts_on_single_steps` says
-        so; not with the TF1 shim (its copies are traced per copy, ordered
-        by its token).
-        """
-        if self._shim or not loops.starts_on_single_steps(
-            self.steps_per_loop, self._copies_per_group()
-        ):
-            return None
-        return self._loop_function(steps=1, traces=traces)
-
-    def _copies_per_group(self) -> int:
-        """Step copies per `loops.repeat` group, as `use_tf_while_loop` says."""
-        return {
-            None: self.options.max_unrolled_steps,
-            True: 1,  # a tf.while_loop of single steps
-            False: self.steps_per_loop,  # every step a copy in the graph
-        }[self.use_tf_while_loop]
-
-    def _pass_loop_function(self):
-        """The loop of a `ServicePassPerEpoch` epoch (`data_service`, 3.).
-
-        Each step runs only if its worker's iterator gave an element.
-        Returns `(loss sum, steps run, worker, pass ended)`.
-        """
-        steps = self.steps_per_loop
-        group = self._copies_per_group()
-
-        @autograph.function_of_tf2sync
-        def loop(iterator):
-            def step(carry):
-                total, ran, ended = carry
-                element = iterator.get_next_as_optional()
-
-                def run():
-                    loss = self.strategy.run(
-                        self.train_step, args=(element.get_value(),)
-                    )
-                    return total + tf.cast(loss, tf.float32), ran + 1, ended
-
-                return tf.cond(
-                    element.has_value(),
-                    run,
-                    lambda: (total, ran, tf.constant(True)),
-                )
-
-            start = (
-                tf.constant(0.0),
-                tf.constant(0, tf.int64),
-                tf.constant(False),
-            )
-            total, ran, ended = loops.repeat(
-                step, steps, group, start, trace_once=not self._shim
-            )
-            worker = step_context.current_worker()
-            if worker is None:
-                worker = tf.constant(-1, tf.int64)
-            return total, ran, worker, ended
-
-        return loop
-
     def _sync_steps(self, sync) -> int:
         """The global step: one variable read, all an epoch's start needs
         of the totals (read at its end)."""
@@ -462,158 +364,6 @@ class Trainer:
             lambda: self.strategy.distribute_datasets_from_function(dataset_fn)
         )
         return iter(per_worker)
-
-    def _run_epoch(
-        self, loop, iterator, loops_per_epoch, sync, single=None, rest=None
-    ):
-        """Schedules an epoch's functions, joins, and returns its logs.
-
-        Args:
-          loop: The `tf.function` from `_loop_function`.
-          iterator: The per-worker iterator it reads.
-          loops_per_epoch: Loops to run.
-          sync: The `SyncOptimizer`, or None for the TF1 shim.
-          single: The function of one step from `_single_step_loop`: the
-            first loop runs as `steps_per_loop` of it. None: every loop is
-            one `loop`.
-          rest: `(function of one step, count)`: the epoch's last steps,
-            fewer than a loop, run after the loops (`(None, 0)`: none).
-
-        Returns:
-          The logs: the mean loss, the sync totals (read after the join)
-          and `sync_steps_per_s`.
-        """
-        began = time.perf_counter()
-        before = self._sync_steps(sync)
-        rest_fn, rest_steps = rest or (None, 0)
-        functions = [(loop, self.steps_per_loop)] * loops_per_epoch
-        if single is not None and functions:
-            functions[:1] = [(single, 1)] * self.steps_per_loop
-        functions += [(rest_fn, 1)] * rest_steps
-        plan = getattr(self.coordinator, "plan_epoch", None)
-        if plan is not None:  # re-run functions add no update to the run
-            pushes = loops_per_epoch * self.steps_per_loop + rest_steps
-            plan(loop, pushes, self._run)
-            if self.coordinator.in_plan(self._run):  # not the TF1 shim's
-                for function in (single, rest_fn):
-                    if function is not None:
-                        self.coordinator.planned(function)
-        try:
-            # The first loop's trace waits for its first single step where
-            # the chief shares the workers' CPUs (see the function).
-            wait = single is not None and loops.waits_for_first_step(
-                ps_strategy.cluster_resolver(self.strategy),
-                self.steps_per_loop,
-            )
-            results = []
-            for function, steps in functions:
-                if wait and function is loop:
-                    loops.wait_for_first_step(results[0][0])
-                    wait = False
-                scheduled = self.coordinator.schedule(
-                    function, args=(iterator,)
-                )
-                results.append((scheduled, steps))
-            loss = self._fetch_mean_loss(results)
-            self.coordinator.join()
-        except tf.errors.OutOfRangeError as e:
-            raise ValueError(
-                "The dataset of `dataset_fn` ran out on a worker: under "
-                "ParameterServerStrategy each worker iterates its own copy "
-                "for the whole `train` call, so it must repeat (add "
-                "`.repeat()`; an epoch is `steps_per_epoch` steps). Epochs "
-                "that ended before this one trained (and were checkpointed "
-                "with `checkpoint_dir`)."
-            ) from e
-        seconds = time.perf_counter() - began
-        totals = self._sync_totals(sync)
-        steps_done = totals["sync_steps"] - before
-        logs = {"loss": loss, **totals}
-        logs["sync_steps_per_s"] = steps_done / max(seconds, 1e-9)
-        return logs
-
-    def _run_pass(self, loop, iterator, sync):
-        """Runs one `ServicePassPerEpoch` epoch (`data_service`, 4.-5.).
-
-        Keeps two functions per worker scheduled until every worker has
-        returned one whose pass ended (or, should a worker never come back,
-        until `4 x workers` functions in a row ran no step once one had
-        ended: fetched in order, a function still running on a live
-        worker holds that count back). Then joins and applies the last
-        step's pushes (`Aggregator.flush`).
-        """
-        began = time.perf_counter()
-        before = self._sync_steps(sync)
-        self.coordinator.lift_plan()  # re-runs read new elements anyway
-        workers = len(cluster_coordinator.coordinator_workers(self.coordinator))
-        pending = collections.deque(
-            self.coordinator.schedule(loop, args=(iterator,))
-            for _ in range(2 * workers)
-        )
-        ended, idle, total, ran = set(), 0, 0.0, 0
-        while pending:
-            loss, steps, worker, done = pending.popleft().fetch()
-            total, ran = total + float(loss), ran + int(steps)
-            if done:
-                ended.add(int(worker))
-            idle = 0 if steps else idle + 1
-            if len(ended) < workers and not (ended and idle >= 4 * workers):
-                pending.append(
-                    self.coordinator.schedule(loop, args=(iterator,))
-                )
-        self.coordinator.join()
-        aggregator = coordinator_lib.core_aggregator(self.strategy)
-        if aggregator is not None:
-            aggregator.flush()
-        seconds = time.perf_counter() - began
-        totals = self._sync_totals(sync)
-        steps_done = totals["sync_steps"] - before
-        logs = {"loss": total / max(ran, 1), **totals}
-        logs["sync_steps_per_s"] = steps_done / max(seconds, 1e-9)
-        logs["pass_steps"] = ran
-        return logs
-
-    def _fetch_mean_loss(self, results):
-        """The mean loss of the steps of `results` (`(RemoteValue, steps)`,
-        each function's loss the mean of its steps'), fetched in order;
-        with `verbose=1` a bar counting loops of `steps_per_loop` steps, or
-        steps where the epoch is not a whole number of loops."""
-        bar, unit = None, 1
-        if self._verbose == 1:
-            steps_total = sum(s for _, s in results)
-            # Loops, or steps where the epoch ends short of a loop.
-            if steps_total % self.steps_per_loop == 0:
-                unit = self.steps_per_loop
-            bar = tf_keras.utils.Progbar(
-                steps_total // unit,
-                unit_name="loop" if unit > 1 else "step",
-                stateful_metrics=["loss"],
-            )
-        done, total = 0, 0.0
-        for result, steps in results:
-            done += steps
-            total += float(result.fetch()) * steps
-            if bar:  # the mean loss of the steps so far
-                bar.update(done // unit, [("loss", total / done)])
-        return total / done
-
-    def _end_epoch(self, epoch, epochs, logs):
-        """Counts `epoch` done, checkpoints it, and with `verbose=2` logs it."""
-        self._epoch.assign(epoch + 1)
-        if self._saver:
-            self._saver.save(epoch + 1)
-        if self._verbose == 2:
-            show_all = any(
-                c.show_all
-                for c in self._callbacks
-                if isinstance(c, callbacks_lib.SyncMetrics)
-            )
-            shown = logs if show_all else callbacks_lib.epoch_line(logs)
-            print(
-                f"epoch {epoch + 1}/{epochs} "
-                + " ".join(f"{k}={v:.4g}" for k, v in shown.items()),
-                flush=True,
-            )
 
 
 @contextlib.contextmanager
