@@ -16,8 +16,8 @@ from absl.testing import parameterized
 import tf2sync
 from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import loops
-from tf2sync._src import trainer as trainer_lib
 from tf2sync._src import trainer_checks
+from tf2sync._src import trainer_sync
 from tf2sync._src.internals import ps_strategy
 
 _X, _Y = testutil.data("dense", 32)
@@ -288,7 +288,7 @@ class TrainerTest(parameterized.TestCase):
         trainer._verbose = 1  # the progress bar shows the same mean
         shown = io.StringIO()
         with contextlib.redirect_stdout(shown):
-            logs = trainer._run_epoch("loop", None, 2, optimizer, "single")
+            logs = trainer._run_epoch("loop", None, 2, "single")
         # 4 single steps at 1.0 and one loop of 4 at 4.0: 2.5 a step.
         self.assertEqual(logs["loss"], 2.5)
         self.assertIn("2/2", shown.getvalue())
@@ -557,7 +557,7 @@ class TrainerTest(parameterized.TestCase):
                 optimizer = tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(rate))
             trainer = _trainer((strategy, model, optimizer), 2)
             with mock.patch.object(
-                trainer_lib, "_local_replicas", return_value=replicas
+                trainer_sync.KerasSync, "replicas", return_value=replicas
             ):
                 trainer.train(_dataset_fn, epochs=1, steps_per_epoch=4)
             self.assertEqual(int(optimizer.iterations.numpy()), 2)

@@ -11,12 +11,12 @@ import tf_keras
 
 from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import checkpointing
-from tf2sync._src import compat_v1
 from tf2sync._src import data_service
 from tf2sync._src import loops
 from tf2sync._src import options as options_lib
 from tf2sync._src import trainer_checks as checks
 from tf2sync._src import trainer_epochs
+from tf2sync._src import trainer_sync
 from tf2sync._src.internals import keras_fit
 
 
@@ -146,29 +146,17 @@ class Trainer(trainer_epochs.EpochsMixin):
         self._callbacks = list(callbacks)
         self._verbose = _resolved_verbose(verbose)
         self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False)
-        self._shim = isinstance(optimizer, compat_v1.SyncReplicasOptimizer)
-        self.global_step = self._build_optimizer_state()
+        self._sync = trainer_sync.of(optimizer)
+        self._sync.build(strategy, model)
+        # The TF1 shim's global step, created here; None for a SyncOptimizer
+        # (its `iterations`).
+        self.global_step = self._sync.global_step
         self._manager = self._checkpoint_manager(checkpoint_dir, max_to_keep)
         self._saver = None
         if self._manager:  # one traced save (see `OneTraceSaver`)
             self._saver = checkpointing.OneTraceSaver(
                 self._manager.checkpoint, checkpoint_dir, max_to_keep
             )
-
-    def _build_optimizer_state(self):
-        """Builds the optimizer's variables under the strategy's scope.
-
-        Returns:
-          The TF1 shim's `global_step` variable, created here; None for a
-          `SyncOptimizer` (built on the model's trainable variables).
-        """
-        with self.strategy.scope():
-            if self._shim:
-                return tf.Variable(
-                    0, dtype=tf.int64, trainable=False, name="global_step"
-                )
-            self.optimizer.build(self.model.trainable_variables)
-        return None
 
     def _checkpoint_manager(self, checkpoint_dir, max_to_keep):
         """The `tf.train.CheckpointManager` of `checkpoint_dir`, or None.
@@ -178,12 +166,11 @@ class Trainer(trainer_epochs.EpochsMixin):
         """
         if not checkpoint_dir:
             return None
-        extra = {"global_step": self.global_step} if self._shim else {}
         checkpoint = tf.train.Checkpoint(
             model=self.model,
             optimizer=self.optimizer,
             epoch=self._epoch,
-            **extra,
+            **self._sync.checkpointed(),
         )
         return tf.train.CheckpointManager(
             checkpoint, checkpoint_dir, max_to_keep=max_to_keep
@@ -200,7 +187,7 @@ class Trainer(trainer_epochs.EpochsMixin):
         checks.batch(batch)
         x, y = batch
         loss_fn = _converted(keras_fit.replica_mean_loss(self.loss_fn))
-        replicas = 1 if self._shim else _local_replicas()
+        replicas = self._sync.replicas()
         with tf.GradientTape() as tape:
             loss = loss_fn(y, self.model(x, training=True))
             checks.scalar_loss(loss, self.loss_fn)
@@ -212,12 +199,7 @@ class Trainer(trainer_epochs.EpochsMixin):
             scaled = loss if replicas == 1 else loss / replicas
         variables = self.model.trainable_variables
         grads = tape.gradient(scaled, variables)
-        if self._shim:
-            self.optimizer.apply_gradients(
-                zip(grads, variables), self.global_step
-            )
-        else:
-            self.optimizer.apply_gradients(zip(grads, variables))
+        self._sync.apply(zip(grads, variables))
         return loss
 
     def train_loop_end(self, logs):
@@ -225,17 +207,6 @@ class Trainer(trainer_epochs.EpochsMixin):
         return logs
 
     # Driver ---------------------------------------------------------------
-
-    def _sync_steps(self, sync) -> int:
-        """The global step: one variable read, all an epoch's start needs
-        of the totals (read at its end)."""
-        step = self.global_step if self._shim else sync.iterations
-        return int(step.numpy())
-
-    def _sync_totals(self, sync):
-        if self._shim:  # TF1 drops stale gradients silently: steps only
-            return {"sync_steps": self._sync_steps(sync)}
-        return callbacks_lib.sync_totals(sync)
 
     def train(
         self, dataset_fn, *, epochs: int, steps_per_epoch: int | None = None
@@ -267,16 +238,11 @@ class Trainer(trainer_epochs.EpochsMixin):
             with the TF1 shim; or a later `SyncOptimizer` replaced this
             trainer's (then neither the model nor a checkpoint changes).
         """
-        sync = None
-        if not self._shim:
-            sync = callbacks_lib.find_sync_optimizer(self.optimizer)
-            # Before the restore below: a replaced optimizer's trainer
-            # must not load its old checkpoint over the model.
-            sync._check_current()
+        self._sync.begin()  # before the restore below changes the model
         service = isinstance(dataset_fn, data_service.ServicePassPerEpoch)
         if not service:
             checks.dataset_fn(dataset_fn)
-        checks.steps_per_epoch(steps_per_epoch, service, self._shim)
+        checks.steps_per_epoch(steps_per_epoch, service, self._sync.tf1_order)
         checks.epochs(epochs)
         self._restore_latest_checkpoint()
         if self._saver:  # traced while every task answers
@@ -325,13 +291,12 @@ class Trainer(trainer_epochs.EpochsMixin):
             with _no_error_left_behind(self.coordinator):
                 if service:
                     next_pass()
-                    logs = self._run_pass(loop, iter(per_worker), sync)
+                    logs = self._run_pass(loop, iter(per_worker))
                 else:
                     logs = self._run_epoch(
                         loop,
                         iterator,
                         loops_per_epoch,
-                        sync,
                         single,
                         rest=(rest_fn, rest),
                     )
@@ -342,8 +307,7 @@ class Trainer(trainer_epochs.EpochsMixin):
             if self.model.stop_training:
                 break
         callback_list.on_train_end()
-        if self._shim:  # its watchdog; the next train() restarts it
-            self.optimizer.make_session_run_hook(is_chief=True).end()
+        self._sync.end()
         return history
 
     def _restore_latest_checkpoint(self):
@@ -397,12 +361,6 @@ def _resolved_verbose(verbose):
     if verbose == "auto":
         return 1 if sys.stdout.isatty() else 2
     return verbose
-
-
-def _local_replicas() -> int:
-    """Replicas of this worker's step (its GPUs; 1 on CPU), from the
-    replica context `strategy.run` enters."""
-    return tf.distribute.get_replica_context().num_replicas_in_sync
 
 
 def _converted(fn):

@@ -47,7 +47,7 @@ class EpochsMixin:
                 steps,
                 group,
                 tf.constant(0.0),
-                trace_once=not self._shim,
+                trace_once=self._sync.trace_once,
                 inputs=(iterator,),
                 traces=traces,
             )
@@ -63,7 +63,7 @@ class EpochsMixin:
         so; not with the TF1 shim (its copies are traced per copy, ordered
         by its token).
         """
-        if self._shim or not loops.starts_on_single_steps(
+        if not self._sync.trace_once or not loops.starts_on_single_steps(
             self.steps_per_loop, self._copies_per_group()
         ):
             return None
@@ -110,7 +110,7 @@ class EpochsMixin:
                 tf.constant(False),
             )
             total, ran, ended = loops.repeat(
-                step, steps, group, start, trace_once=not self._shim
+                step, steps, group, start, trace_once=self._sync.trace_once
             )
             worker = step_context.current_worker()
             if worker is None:
@@ -120,7 +120,7 @@ class EpochsMixin:
         return loop
 
     def _run_epoch(
-        self, loop, iterator, loops_per_epoch, sync, single=None, rest=None
+        self, loop, iterator, loops_per_epoch, single=None, rest=None
     ):
         """Schedules an epoch's functions, joins, and returns its logs.
 
@@ -128,7 +128,6 @@ class EpochsMixin:
           loop: The `tf.function` from `_loop_function`.
           iterator: The per-worker iterator it reads.
           loops_per_epoch: Loops to run.
-          sync: The `SyncOptimizer`, or None for the TF1 shim.
           single: The function of one step from `_single_step_loop`: the
             first loop runs as `steps_per_loop` of it. None: every loop is
             one `loop`.
@@ -140,7 +139,7 @@ class EpochsMixin:
           and `sync_steps_per_s`.
         """
         began = time.perf_counter()
-        before = self._sync_steps(sync)
+        before = self._sync.step()
         rest_fn, rest_steps = rest or (None, 0)
         functions = [(loop, self.steps_per_loop)] * loops_per_epoch
         if single is not None and functions:
@@ -182,13 +181,13 @@ class EpochsMixin:
                 "with `checkpoint_dir`)."
             ) from e
         seconds = time.perf_counter() - began
-        totals = self._sync_totals(sync)
+        totals = self._sync.totals()
         steps_done = totals["sync_steps"] - before
         logs = {"loss": loss, **totals}
         logs["sync_steps_per_s"] = steps_done / max(seconds, 1e-9)
         return logs
 
-    def _run_pass(self, loop, iterator, sync):
+    def _run_pass(self, loop, iterator):
         """Runs one `ServicePassPerEpoch` epoch (`data_service`, 4.-5.).
 
         Keeps two functions per worker scheduled until every worker has
@@ -199,7 +198,7 @@ class EpochsMixin:
         step's pushes (`Aggregator.flush`).
         """
         began = time.perf_counter()
-        before = self._sync_steps(sync)
+        before = self._sync.step()
         self.coordinator.lift_plan()  # re-runs read new elements anyway
         workers = len(cluster_coordinator.coordinator_workers(self.coordinator))
         pending = collections.deque(
@@ -222,7 +221,7 @@ class EpochsMixin:
         if aggregator is not None:
             aggregator.flush()
         seconds = time.perf_counter() - began
-        totals = self._sync_totals(sync)
+        totals = self._sync.totals()
         steps_done = totals["sync_steps"] - before
         logs = {"loss": total / max(ran, 1), **totals}
         logs["sync_steps_per_s"] = steps_done / max(seconds, 1e-9)
