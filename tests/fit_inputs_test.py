@@ -214,6 +214,69 @@ class ExactValidationTest(parameterized.TestCase):
             expected,
         )
 
+    def test_sample_weights_of_dict_arrays_are_applied(self):
+        # tf_keras's own conversion passed `sample_weight` where its
+        # adapters take `sample_weights`: the weights were dropped. All
+        # zero, no step may move a weight.
+        model = _trained(2)
+        before = sharding.whole_weights(model.weights)
+        x, y = _data(256, seed=0)
+        model.fit(
+            x,
+            y,
+            sample_weight=np.zeros(256, "float32"),
+            batch_size=BATCH,
+            epochs=1,
+            verbose=0,
+        )
+        self.assertGreater(int(model.optimizer.iterations.numpy()), 0)
+        self.assertEqual(
+            testutil.max_abs_diff(
+                sharding.whole_weights(model.weights), before
+            ),
+            0,
+        )
+        with self.assertRaisesRegex(
+            ValueError, r"^`class_weight` is not applied .* class_weight=\{0: 1"
+        ):
+            model.fit(x, y, class_weight={0: 1, 1: 2}, verbose=0)
+
+    def test_a_list_of_input_arrays_is_evaluated_exactly(self):
+        strategy = testutil.strategy(
+            2, 1, replicas_to_aggregate=2, total_num_replicas=2
+        )
+
+        def build():
+            tf.keras.utils.set_random_seed(2)
+            a, b = tf.keras.Input((3,)), tf.keras.Input((5,))
+            h = tf.keras.layers.Concatenate()([a, b])
+            out = tf.keras.layers.Dense(1, activation="sigmoid")(h)
+            model = tf.keras.Model([a, b], out)
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.1))
+                if tf.distribute.has_strategy()
+                else "sgd",
+                loss="binary_crossentropy",
+                metrics=["accuracy"],
+            )
+            return model
+
+        with strategy.scope():
+            model = build()
+        rng = np.random.RandomState(3)
+        xs = [rng.randn(203, 3).astype("f"), rng.randn(203, 5).astype("f")]
+        y = (xs[0][:, 0] > 0).astype("float32")
+        local = build()
+        local.set_weights(model.get_weights())
+        self._assert_metrics(
+            model.evaluate(
+                xs, y, batch_size=BATCH, verbose=0, return_dict=True
+            ),
+            local.evaluate(
+                xs, y, batch_size=BATCH, verbose=0, return_dict=True
+            ),
+        )
+
     def test_own_test_step_keeps_needing_validation_steps(self):
         # tf_keras's exact evaluation skips a model's own test_step: such
         # a model keeps the per-worker reading, bounded by the steps.

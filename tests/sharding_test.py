@@ -692,6 +692,7 @@ class ExportTest(absltest.TestCase):
             (model.save, "model", {"save_format": "h5"}),
             (model.save_weights, "weights.h5", {}),
             (model.save_weights, "weights.keras", {}),  # h5 for weights
+            (model.save, "model_tf.h5", {"save_format": "tf"}),  # still h5
         ):
             path = os.path.join(directory, name)
             with self.assertRaisesRegex(
@@ -702,9 +703,11 @@ class ExportTest(absltest.TestCase):
             ):
                 save(path, **kwargs)
             self.assertFalse(os.path.exists(path))
-        # The formats it names save.
+        # The formats it names save, and tf_keras's new weights file,
+        # which keeps each table whole.
         model.save(os.path.join(directory, "model.keras"))
         model.save_weights(os.path.join(directory, "checkpoint"))
+        model.save_weights(os.path.join(directory, "w.weights.h5"))
 
     def test_a_sharded_model_exports_and_loads_without_tf2sync(self):
         model, _ = trained(3)

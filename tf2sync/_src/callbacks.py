@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 
@@ -90,6 +91,8 @@ def epoch_value_text(value) -> str:
     """A value of the epoch line: a count as an integer, a float as
     tf_keras's line shows it (4 decimals, or 4 significant digits below
     1e-3)."""
+    if np.ndim(value):  # a metric of several values: tf_keras's mean
+        value = float(np.mean(value))
     value = getattr(value, "item", lambda: value)()  # NumPy scalars
     if isinstance(value, (int, bool)):
         return str(int(value))

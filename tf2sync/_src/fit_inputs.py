@@ -68,11 +68,22 @@ def _num_examples(x) -> int:
 
 
 def exact_allowed(model) -> bool:
-    """Whether tf_keras's exact evaluation reads `model` as `evaluate`
-    would: its own `test_step` is skipped there, and metrics of
-    `add_metric` refused."""
-    own_step = type(model).test_step is not tf_keras.Model.test_step
-    return not own_step and not keras_fit.has_added_metrics(model)
+    """Whether tf_keras's exact evaluation scores `model` as `evaluate`
+    would. It skips a model's own `test_step`, `compute_loss` and
+    `compute_metrics`, leaves out `model.losses` (regularizers,
+    `add_loss`), refuses metrics of `add_metric`, and updates each metric
+    with the whole `(y, y_pred)` structure (several outputs fail)."""
+    own = any(
+        getattr(type(model), name) is not getattr(tf_keras.Model, name)
+        for name in ("test_step", "compute_loss", "compute_metrics")
+    )
+    outputs = getattr(model, "outputs", None)
+    return (
+        not own
+        and not model.losses
+        and not keras_fit.has_added_metrics(model)
+        and (outputs is None or len(outputs) == 1)
+    )
 
 
 def _finite(dataset) -> bool:
@@ -85,18 +96,28 @@ def _arrays_dataset(x, y, sample_weight, batch_size):
     parts = tf.nest.map_structure(
         lambda v: v.to_numpy() if hasattr(v, "to_numpy") else v, parts
     )
+    # A list of inputs is several tensors, as tf_keras reads it (tf.data
+    # would stack a list into one).
+    parts = tf.__internal__.nest.list_to_tuple(parts)
     return tf.data.Dataset.from_tensor_slices(parts).batch(
         batch_size or _DEFAULT_BATCH_SIZE
     )
 
 
-def _single_output_of_one(model) -> bool:
-    """Whether `model` has one output of shape `(batch, 1)`."""
+def _single_output_of_one(model, dataset) -> bool:
+    """Whether `model` has one output of shape `(batch, 1)`; a model
+    without a known output shape (subclassed) is called on one batch."""
     try:
-        shape = model.output_shape
-    except (AttributeError, RuntimeError):  # not built, or several outputs
-        return False
-    return isinstance(shape, tuple) and len(shape) == 2 and shape[-1] == 1
+        shape = tuple(model.output_shape)
+    except (AttributeError, RuntimeError, TypeError):
+        x, _, _ = tf.keras.utils.unpack_x_y_sample_weight(
+            next(iter(dataset.take(1)))
+        )
+        output = model(x, training=False)
+        if not isinstance(output, tf.Tensor):
+            return False
+        shape = tuple(output.shape)
+    return len(shape) == 2 and shape[-1] == 1
 
 
 def for_exact_evaluation(model, dataset, steps):
@@ -108,7 +129,7 @@ def for_exact_evaluation(model, dataset, steps):
     AUTO policy may try files, and fail)."""
     if steps:
         dataset = dataset.take(steps)
-    if _single_output_of_one(model):
+    if _single_output_of_one(model, dataset):
 
         def match(*element):
             x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(
@@ -132,7 +153,12 @@ def _build_metrics(model, dataset, evaluate) -> None:
     builds them): before the model ever trained or evaluated."""
     if model.compiled_metrics is None or model.compiled_metrics.built:
         return
-    evaluate(model, dataset.take(1).repeat(), steps=1, verbose=0)
+    shards = keras_fit.exact_evaluation_shards(model)
+    keras_fit.set_exact_evaluation_shards(model, 0)  # one step, not exact
+    try:
+        evaluate(model, dataset.take(1).repeat(), steps=1, verbose=0)
+    finally:
+        keras_fit.set_exact_evaluation_shards(model, shards)
 
 
 class _NotShardableNote(logging_lib.Filter):
@@ -215,6 +241,13 @@ def _wrap_fit(original):
         model = arguments["self"]
         if not _under_sync(model):
             return original(*args, **kwargs)
+        if arguments.get("class_weight"):
+            raise ValueError(
+                "`class_weight` is not applied under ParameterServerStrategy "
+                "(tf_keras's coordinator data handler ignores it): weight the "
+                "examples with `sample_weight`, or in the dataset's elements. "
+                f"Received: class_weight={arguments['class_weight']!r}"
+            )
         x, batch = arguments.get("x"), arguments.get("batch_size")
         if is_arrays(x):
             _split_arrays(model, arguments)
@@ -246,8 +279,11 @@ def _wrap_fit(original):
             )
             arguments["validation_data"] = exact
             arguments["validation_steps"] = None
-        with _ExactEvaluation(model, exact):
-            return original(*bound.args, **bound.kwargs)
+        try:
+            with _ExactEvaluation(model, exact):
+                return original(*bound.args, **bound.kwargs)
+        finally:
+            keras_fit.forget_validation_data(model)
 
     return fit
 

@@ -126,12 +126,24 @@ _H5_SUFFIXES = (".h5", ".hdf5")
 
 
 def _is_h5(filepath, save_format, method: str) -> bool:
-    """Whether tf_keras writes HDF5 for `method(filepath, save_format)`."""
-    if save_format is not None:
-        return str(save_format).lower() in ("h5", "hdf5")
-    path = str(getattr(filepath, "filename", filepath))
-    suffixes = _H5_SUFFIXES + ((".keras",) if method == "save_weights" else ())
-    return path.endswith(suffixes)
+    """Whether tf_keras would write HDF5 for `method(filepath,
+    save_format=...)`, by its own rules (`saving_api.get_save_format`,
+    `saving_utils.is_hdf5_filepath`; a `.h5` path with `save_format="tf"`
+    too, which its legacy saver writes as HDF5). `save_weights` to
+    `*.weights.h5` is tf_keras's new format, which keeps each table whole
+    (`patches.whole_weights_in_keras_files`): not refused."""
+    if type(filepath).__module__.startswith("h5py"):
+        return True
+    path = str(filepath)
+    formats = ("h5", "hdf5")
+    if method == "save_weights":
+        if path.endswith(".weights.h5"):
+            return False
+        formats += ("keras",)
+        return path.endswith(_H5_SUFFIXES + (".keras",)) or (
+            str(save_format).lower() in formats
+        )
+    return path.endswith(_H5_SUFFIXES) or str(save_format).lower() in formats
 
 
 def refusing_h5(method, name: str):

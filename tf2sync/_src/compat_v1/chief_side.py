@@ -66,6 +66,9 @@ class ChiefSideMixin:
         """Seeds the local steps, enqueues `num_tokens`, starts the watchdog."""
         self._halt()
         self.local_step_init()
+        # No step runs at a start: a count left by a step killed between
+        # its push and its token would drain rounds early from now on.
+        self.parked.assign(0)
         self.aggregator.seed_tokens(num_tokens)
         self.started = True
         self.start_watchdog()

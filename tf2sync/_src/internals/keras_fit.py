@@ -148,16 +148,18 @@ def nested_arrays_converter(convert):
 
     def convert_nested(handler, x, y, **kwargs):
         leaves = tf.nest.flatten(x) + tf.nest.flatten(y)
-        if not (
-            isinstance(x, (dict, list, tuple))
-            and all(is_keras_tensor_like(leaf) for leaf in leaves)
-        ):
+        if not all(is_keras_tensor_like(leaf) for leaf in leaves):
             return convert(handler, x, y, **kwargs)
+        # tf_keras passes `sample_weight`, its adapters take
+        # `sample_weights`: its own conversion dropped the weights.
+        weights = kwargs.pop("sample_weight", None)
 
         def dataset_fn(input_context):
             del input_context  # each worker reads its own copy
             adapter = keras_data_adapter.select_data_adapter(x, y)
-            return adapter(x=x, y=y, **kwargs).get_dataset()
+            return adapter(
+                x=x, y=y, sample_weights=weights, **kwargs
+            ).get_dataset()
 
         dataset_fn.__qualname__ = _NESTED_ARRAYS_CREATOR
         return tf.keras.utils.experimental.DatasetCreator(dataset_fn)
@@ -185,7 +187,22 @@ def set_exact_evaluation_shards(model, shards: int) -> None:
     [2.21]."""
     if int(getattr(model, "_pss_evaluation_shards", 0) or 0) != int(shards):
         model.test_function = None
+    # Its exact function (cached apart, never cleared by `compile`) holds
+    # the metrics and loss of the compile that traced it.
+    compiled = model.compiled_metrics
+    if getattr(model, "_tf2sync_exact_compile", None) is not compiled:
+        model._shard_test_function = None
+        model._tf2sync_exact_compile = compiled
     model._pss_evaluation_shards = int(shards)
+
+
+def forget_validation_data(model) -> None:
+    """Drops the validation data handler a `fit` caches
+    (`_eval_data_handler`): tf_keras deletes it only when `fit` ends
+    normally, so the next `fit` after a failed one validated on the old
+    data [2.21]."""
+    if getattr(model, "_eval_data_handler", None) is not None:
+        model._eval_data_handler = None
 
 
 def _input_role_of(frame):
