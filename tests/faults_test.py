@@ -249,7 +249,7 @@ class TransientRetryTest(absltest.TestCase):
     def _train(self, errors, checkpoint_dir="/tmp/ckpt"):
         from unittest import mock
 
-        from tf2sync._src import chief
+        from tf2sync._src.launcher import chief
 
         spec = tf2sync.testing.cluster_spec_dict(2, 1)
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -296,7 +296,7 @@ class TransientRetryTest(absltest.TestCase):
         self.assertNotIn("\n", lines[1])
 
     def test_retries_are_bounded(self):
-        from tf2sync._src import chief
+        from tf2sync._src.launcher import chief
 
         errors = [self._error(tf.errors.CancelledError)] * 4
         with self.assertRaisesRegex(

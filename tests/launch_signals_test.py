@@ -17,7 +17,7 @@ import pytest
 from absl.testing import absltest
 
 import tf2sync
-from tf2sync._src import processes
+from tf2sync._src.launcher import processes
 
 # Every test here starts real processes.
 pytestmark = pytest.mark.slow

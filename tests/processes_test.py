@@ -3,7 +3,7 @@
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from tf2sync._src import processes
+from tf2sync._src.launcher import processes
 
 
 class GpuPlanTest(parameterized.TestCase):

@@ -12,7 +12,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 # The `tf2sync` command: its console shows tf2sync's lines, TensorFlow's C++
 # log goes to a file; this must happen before TensorFlow loads.
-from tf2sync._src import console as _console  # noqa: E402
+from tf2sync._src.launcher import console as _console  # noqa: E402
 
 if _console.is_launcher(_sys.argv):
     _console.setup_launcher(_sys.argv)

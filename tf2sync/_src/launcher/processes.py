@@ -32,7 +32,7 @@ import threading
 import time
 
 from tf2sync._src import cluster as cluster_lib
-from tf2sync._src import console as console_lib
+from tf2sync._src.launcher import console as console_lib
 
 # Set in a child's environment by `child_kwargs`: the PID that started it.
 PARENT_ENV = "TF2SYNC_PARENT_PID"

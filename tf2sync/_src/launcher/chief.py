@@ -11,18 +11,18 @@ import tensorflow as tf
 from absl import logging
 
 from tf2sync._src import checkpointing
-from tf2sync._src import chief_report
 from tf2sync._src import config as config_lib
-from tf2sync._src import job_contract
 from tf2sync._src import liveness
-from tf2sync._src import processes
 from tf2sync._src import sharding
 from tf2sync._src import watchdog
+from tf2sync._src.launcher import chief_report
+from tf2sync._src.launcher import job_contract
+from tf2sync._src.launcher import processes
 
 
 @dataclasses.dataclass(frozen=True)
 class ChiefConfig:
-    """What the launcher's flags ask of the chief (see `launch_flags.py`)."""
+    """What the launcher's flags ask of the chief (see `flags.py`)."""
 
     replicas_to_aggregate: int | None = None
     total_num_replicas: int | None = None
