@@ -269,7 +269,7 @@ class TransientRetryTest(absltest.TestCase):
         with (
             mock.patch.object(chief, "_train_once", once),
             mock.patch.object(chief.time, "sleep"),
-            mock.patch.object(chief.processes, "wait_for_port"),
+            mock.patch.object(chief.local_tasks, "wait_for_port"),
             self.assertLogs(level="WARNING") as logs,
         ):
             return chief.train(resolver, None, config), calls, logs

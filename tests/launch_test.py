@@ -77,7 +77,7 @@ class LaunchTest(parameterized.TestCase):
         self.assertIn("10 per function (unrolled)", out.stdout)
         self.assertLen(self._assert_tasks_ended(out), 3)
         # A task's lines go to its log, not the launcher's console (the
-        # tasks are forks of it: see processes.TaskForker).
+        # tasks are forks of it: see forker.TaskForker).
         self.assertNotIn("Serving ps:0", out.stdout + out.stderr)
         with open(os.path.join(logs, "ps0.log")) as f:
             self.assertIn("Serving ps:0", f.read())

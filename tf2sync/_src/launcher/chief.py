@@ -17,7 +17,7 @@ from tf2sync._src import sharding
 from tf2sync._src import watchdog
 from tf2sync._src.launcher import chief_report
 from tf2sync._src.launcher import job_contract
-from tf2sync._src.launcher import processes
+from tf2sync._src.launcher import local_tasks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +226,9 @@ def train(resolver, job, config: ChiefConfig):
             time.sleep(1.0)
             try:
                 for address in ps_hosts:
-                    processes.wait_for_port(address, config.ps_restart_timeout)
+                    local_tasks.wait_for_port(
+                        address, config.ps_restart_timeout
+                    )
             except TimeoutError as timeout:
                 raise RuntimeError(
                     f"The parameter server did not come back: {timeout}"

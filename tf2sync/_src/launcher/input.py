@@ -218,9 +218,9 @@ def _check_local_gpus():
     wanted = launch_flags.NUM_GPUS.value
     if not wanted:
         return
-    from tf2sync._src.launcher import processes
+    from tf2sync._src.launcher import local_tasks
 
-    available = processes.machine_gpus()
+    available = local_tasks.machine_gpus()
     if available == 0:
         raise app.UsageError(
             f"--num_gpus={wanted}: this machine shows TensorFlow no GPU "

@@ -1,10 +1,5 @@
-"""A local cluster of real processes on 127.0.0.1, stopped by PID.
-
-Its tasks are forks of a `TaskForker` (no second TensorFlow import), or
-new interpreters where GPUs are planned.
-
-Also the launcher's process plumbing, the one place that touches the OS's
-process machinery:
+"""The launcher's process plumbing, the one place that touches the OS's
+process machinery (the local mode's tasks: `local_tasks`, `forker`):
 
 * `child_kwargs`: `Popen` arguments that tie a child to this process. On
   Linux the kernel sends the child SIGKILL when the thread that started it
@@ -25,13 +20,10 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 
-from tf2sync._src import cluster as cluster_lib
 from tf2sync._src.launcher import console as console_lib
 
 # Set in a child's environment by `child_kwargs`: the PID that started it.
@@ -46,387 +38,12 @@ _REASONS = {
 # Taken, never released, by whoever ends the process: the main thread's
 # `end_process` then waits for a signal's exit under way, and vice versa.
 _EXIT_LOCK = threading.Lock()
-# LocalProcessClusters started in this process and not yet stopped.
-_CLUSTERS = []
+# `local_tasks.LocalProcessCluster`s started in this process and not yet
+# stopped (a signal or a gone parent stops them).
+LOCAL_CLUSTERS = []
 
 
-def wait_for_port(address: str, timeout: float) -> None:
-    """Blocks until `address` ("host:port") accepts TCP, or raises."""
-    host, port = address.rsplit(":", 1)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((host, int(port)), timeout=1.0):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"No task answered at {address} within {timeout:g} s "
-                    "(`--connect_timeout`). Check that the task is started "
-                    "and that the address is right."
-                ) from None
-            time.sleep(0.1)
-
-
-def gpu_plan(num_workers: int, per_worker: int, available: int):
-    """`(CUDA_VISIBLE_DEVICES per worker, shared)` for local workers.
-
-    Disjoint GPUs (`per_worker` each) when the machine has enough;
-    otherwise worker i takes GPUs `i * per_worker ...` modulo `available`,
-    so workers share them (`shared`: each process must then grow its
-    memory rather than take it all). With `per_worker` 0 or no GPU, every
-    worker sees none ("").
-    """
-    if per_worker <= 0 or available <= 0:
-        return [""] * num_workers, False
-    shared = num_workers * per_worker > available
-    per_worker = min(per_worker, available)
-    visible = [
-        ",".join(
-            str((index * per_worker + i) % available) for i in range(per_worker)
-        )
-        for index in range(num_workers)
-    ]
-    return visible, shared
-
-
-def machine_gpus() -> int:
-    """GPUs this machine shows TensorFlow (no device is initialised)."""
-    import tensorflow as tf
-
-    return len(tf.config.list_physical_devices("GPU"))
-
-
-class LocalProcessCluster:
-    """ps and worker tasks as processes on 127.0.0.1, with free ports.
-
-    Each task runs in its own process group and dies with this process,
-    even on SIGKILL: a fork of `forker` (a `TaskForker`) where one is given
-    and no GPUs are planned, otherwise `python -m tf2sync --job_name=...
-    --task_index=...` started with `child_kwargs`. `stop()` (also run on
-    exit from the `with` block, and on SIGINT / SIGTERM in the launcher,
-    see `exit_on_signals`) sends SIGTERM, then SIGKILL, to each PID.
-    """
-
-    def __init__(
-        self,
-        num_workers: int,
-        num_ps: int,
-        *,
-        log_dir=None,
-        num_gpus=None,
-        worker_args=None,
-        forker=None,
-    ):
-        """`worker_args`: None, or one list of extra flags per worker.
-
-        `forker`: None, or a `TaskForker`: each task is then a fork of it
-        rather than a new interpreter (without GPUs planned: they take a
-        new interpreter's GPU runtime).
-        """
-        self.spec = cluster_lib.cluster_spec_dict(num_workers, num_ps)
-        self.processes = []
-        self._forker = forker if num_gpus is None else None
-        self._log_dir = log_dir
-        self._num_gpus = num_gpus
-        self._worker_args = worker_args
-
-    def start(self, timeout: float = 60.0):
-        """Starts every task; returns the chief's cluster resolver."""
-        import tensorflow as tf
-
-        _CLUSTERS.append(self)  # a signal from now on stops what started
-        common = [
-            "--ps_hosts=" + ",".join(self.spec["ps"]),
-            "--worker_hosts=" + ",".join(self.spec["worker"]),
-            "--chief_host=" + self.spec["chief"][0],
-        ]
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-        env.pop("TF_CONFIG", None)
-        for job in ("ps", "worker"):
-            for index in range(len(self.spec[job])):
-                task_env = dict(env)
-                task_args = []
-                if job == "worker" and self._worker_args:
-                    task_args.extend(self._worker_args[index])
-                if job == "ps":
-                    task_env["CUDA_VISIBLE_DEVICES"] = ""
-                elif self._num_gpus is not None:
-                    visible, shared = gpu_plan(
-                        len(self.spec["worker"]),
-                        self._num_gpus,
-                        machine_gpus(),
-                    )
-                    task_env["CUDA_VISIBLE_DEVICES"] = visible[index]
-                    if shared:  # several processes on one GPU: grow
-                        task_env["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
-                    task_args.append(f"--num_gpus={self._num_gpus}")
-                log = None
-                if self._log_dir:
-                    os.makedirs(self._log_dir, exist_ok=True)
-                    log = os.path.join(self._log_dir, f"{job}{index}.log")
-                if self._forker is not None:
-                    self.processes.append(
-                        self._forker.fork(
-                            (self.spec, job, index, task_args), task_env, log
-                        )
-                    )
-                    continue
-                out = subprocess.DEVNULL
-                if log:
-                    out = open(log, "w")  # noqa: SIM115
-                self.processes.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "tf2sync",
-                            f"--job_name={job}",
-                            f"--task_index={index}",
-                            *common,
-                            *task_args,
-                        ],
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        **child_kwargs(task_env),
-                    )
-                )
-        try:
-            for address in self.spec["ps"] + self.spec["worker"]:
-                wait_for_port(address, timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(self.spec),
-            task_type="chief",
-            task_id=0,
-            rpc_layer="grpc",
-        )
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
-
-    def stop(self, grace: float = 5.0) -> None:
-        """Ends every task by PID: SIGTERM, then SIGKILL after `grace` s."""
-        processes = list(self.processes)
-        for p in processes:
-            if p.poll() is None:
-                _signal(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for p in processes:
-            try:
-                p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal(p.pid, signal.SIGKILL)
-                p.wait()
-        with contextlib.suppress(ValueError):
-            _CLUSTERS.remove(self)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
-
-class TaskForker:
-    """A fork of this process that forks local tasks on request.
-
-    A task that is a fork inherits the modules this process imported: it
-    starts in well under a second instead of importing TensorFlow again
-    (seconds of CPU per task; on 2 cores, most of the local mode's start).
-    Tasks are not forked from the launcher itself: by the time the
-    cluster starts the launcher may have run TensorFlow code (reading a
-    checkpoint directory), and forks of such a process share its
-    runtime's state, random generator included (two workers then gave
-    their functions' ps parts the same name). This process is forked
-    first, before TensorFlow runs anything, and stays idle but for forking
-    tasks: each one as `child_kwargs` ties a subprocess, in a session of its
-    own, SIGKILL when its parent ends (Linux), `PARENT_ENV` set for its
-    `exit_with_parent`, stdout and stderr to its log. The forker dies with
-    this process (SIGKILL on Linux; on any platform, when this process's
-    end of its pipe closes), and its tasks with it.
-
-    `serve(spec, job, index, args)` runs a task in the fork and does not
-    return; create the forker from the main thread before any other thread
-    starts, and before any TensorFlow op runs or a GPU is found (the
-    launcher checks `runtime.runtime_started()` and otherwise starts
-    new interpreters).
-    """
-
-    def __init__(self, serve):
-        preexec = _pdeathsig_preexec()
-        requests, self._requests = os.pipe()
-        self._replies, replies = os.pipe()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        self.pid = os.fork()
-        if self.pid:
-            os.close(requests)
-            os.close(replies)
-            return
-        code = 1
-        try:
-            os.close(self._requests)
-            os.close(self._replies)
-            if preexec is not None:
-                preexec()
-            # It prints nothing: hold none of the launcher's output (a
-            # caller reading it to its end must not wait for the forker).
-            quiet = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(quiet, fd)
-            os.close(quiet)
-            console_lib.close_console_fd()
-            signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # reap tasks
-            # A Ctrl-C reaches the launcher's process group: the forker
-            # stays to reap the tasks the launcher then stops (a task
-            # re-parented to a launcher that is PID 1 would stay a zombie).
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            _serve_requests(serve, requests, replies, preexec)
-            code = 0
-        finally:
-            os._exit(code)
-
-    def fork(self, request, env, log):
-        """Forks one task running `serve(*request)`; returns its handle."""
-        import pickle
-
-        data = pickle.dumps((request, dict(env), log))
-        os.write(self._requests, len(data).to_bytes(8, "big") + data)
-        pid = int.from_bytes(_read_exactly(self._replies, 8), "big")
-        return _Forked(pid, self.pid)
-
-
-def _alive(pid, reaper) -> bool:
-    """Whether `pid` runs. A zombie whose parent is `reaper` (the forker)
-    is still ending: the forker reaps it. One re-parented elsewhere (to a
-    launcher that is PID 1 and reaps nothing) has ended."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0] != "Z" or int(fields[1]) == reaper
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError, ValueError):  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-
-def _read_exactly(fd, size):
-    data = b""
-    while len(data) < size:
-        chunk = os.read(fd, size - len(data))
-        if not chunk:
-            raise EOFError("the task forker is gone")
-        data += chunk
-    return data
-
-
-def _serve_requests(serve, requests, replies, preexec):
-    """The forker's loop: a task per request, until the pipe closes."""
-    import pickle
-
-    while True:
-        try:
-            size = int.from_bytes(_read_exactly(requests, 8), "big")
-            request, env, log = pickle.loads(_read_exactly(requests, size))
-        except EOFError:
-            return  # the launcher is gone, or done
-        parent = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            os.close(requests)
-            os.close(replies)
-            _run_task(serve, request, env, log, preexec, parent)
-        os.write(replies, pid.to_bytes(8, "big"))
-
-
-def _run_task(serve, request, env, log, preexec, parent):
-    """A forked task: its session, log, environment, then `serve`.
-
-    `parent`: the forker's PID, read before the fork."""
-    code = 1
-    try:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        os.setsid()
-        if preexec is not None:
-            preexec()
-        out = os.open(
-            log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
-        )
-        for fd in (1, 2):
-            os.dup2(out, fd)
-        os.close(out)
-        # The launcher's Python streams (and absl's handler) may write to
-        # its console's descriptor (see `console`): the task's go to its log.
-        old = sys.stderr
-        sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-        sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-        console_lib.repoint_handlers(old, sys.stderr)
-        if os.getppid() != parent:  # the forker died before PDEATHSIG was set
-            return
-        os.environ.clear()
-        os.environ.update(env)
-        os.environ[PARENT_ENV] = str(parent)
-        serve(*request)
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    except BaseException:  # noqa: BLE001 - the task's log says why
-        import traceback
-
-        with contextlib.suppress(Exception):
-            traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-
-
-class _Forked:
-    """A forked task, with the part of `subprocess.Popen` that `stop` uses.
-
-    Not this process's child (the forker's, which reaps it): it is running
-    while its PID exists.
-    """
-
-    def __init__(self, pid, reaper):
-        self.pid = pid
-        self._reaper = reaper  # the forker
-        self.returncode = None
-
-    def poll(self):
-        if self.returncode is None and not _alive(self.pid, self._reaper):
-            self.returncode = 0  # its code went to the forker
-        return self.returncode
-
-    def wait(self, timeout=None):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-
-def _signal(pid, sig):
-    with contextlib.suppress(ProcessLookupError):  # already gone
-        os.killpg(pid, sig)
-
-
-def _pdeathsig_preexec():
+def pdeathsig_preexec():
     """A `preexec_fn` setting PR_SET_PDEATHSIG=SIGKILL; None off Linux.
 
     libc's `prctl` is looked up here, in the parent: the forked child only
@@ -459,7 +76,7 @@ def child_kwargs(env=None) -> dict:
     """
     kwargs = {"env": dict(os.environ if env is None else env)}
     kwargs["env"][PARENT_ENV] = str(os.getpid())
-    preexec = _pdeathsig_preexec()
+    preexec = pdeathsig_preexec()
     if preexec is not None:
         kwargs["preexec_fn"] = preexec
     return kwargs
@@ -571,7 +188,7 @@ def _end(code, reason):
         devnull = os.open(os.devnull, os.O_WRONLY)
         for fd in {1, 2, console}:
             os.dup2(devnull, fd)
-    clusters = list(_CLUSTERS)
+    clusters = list(LOCAL_CLUSTERS)
     for cluster in clusters:
         with contextlib.suppress(Exception):
             cluster.stop()
