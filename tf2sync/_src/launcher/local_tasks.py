@@ -16,7 +16,7 @@ import sys
 import time
 
 from tf2sync._src import cluster as cluster_lib
-from tf2sync._src.launcher import processes
+from tf2sync._src.launcher import processes as processes_lib
 
 
 def wait_for_port(address: str, timeout: float) -> None:
@@ -106,7 +106,7 @@ class LocalProcessCluster:
         import tensorflow as tf
 
         # A signal from now on stops what started.
-        processes.LOCAL_CLUSTERS.append(self)
+        processes_lib.LOCAL_CLUSTERS.append(self)
         common = [
             "--ps_hosts=" + ",".join(self.spec["ps"]),
             "--worker_hosts=" + ",".join(self.spec["worker"]),
@@ -160,7 +160,7 @@ class LocalProcessCluster:
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
-                        **processes.child_kwargs(task_env),
+                        **processes_lib.child_kwargs(task_env),
                     )
                 )
         try:
@@ -194,7 +194,7 @@ class LocalProcessCluster:
                 _signal(p.pid, signal.SIGKILL)
                 p.wait()
         with contextlib.suppress(ValueError):
-            processes.LOCAL_CLUSTERS.remove(self)
+            processes_lib.LOCAL_CLUSTERS.remove(self)
 
     def __enter__(self):
         return self
