@@ -45,7 +45,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
-from tf2sync._src import processes  # noqa: E402
+from tf2sync._src.launcher import processes  # noqa: E402
 
 _PS = flags.DEFINE_list("ps", ["1", "2", "3", "4"], "Ps counts.")
 _WORKLOADS = flags.DEFINE_list("workloads", ["w1", "w3"], "Workloads.")

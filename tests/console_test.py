@@ -11,14 +11,14 @@ from unittest import mock
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from tf2sync._src import console
+from tf2sync._src.launcher import console
 
 # A child that moves its descriptor 2 away, then writes as TF's C++ runtime
 # does (straight to descriptor 2) and as Python code does.
 _CHILD = r"""
 import logging, os, sys, warnings
 from absl import logging as absl_logging
-from tf2sync._src import console
+from tf2sync._src.launcher import console
 console.native_logs_to(sys.argv[1])
 os.write(2, b"I0000 00:00:1.0 1 cpu_feature_guard.cc:227] native line\n")
 print("python stderr line", file=sys.stderr)

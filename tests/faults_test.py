@@ -249,7 +249,7 @@ class TransientRetryTest(absltest.TestCase):
     def _train(self, errors, checkpoint_dir="/tmp/ckpt"):
         from unittest import mock
 
-        from tf2sync._src import chief
+        from tf2sync._src.launcher import chief
 
         spec = tf2sync.testing.cluster_spec_dict(2, 1)
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -269,7 +269,7 @@ class TransientRetryTest(absltest.TestCase):
         with (
             mock.patch.object(chief, "_train_once", once),
             mock.patch.object(chief.time, "sleep"),
-            mock.patch.object(chief.processes, "wait_for_port"),
+            mock.patch.object(chief.local_tasks, "wait_for_port"),
             self.assertLogs(level="WARNING") as logs,
         ):
             return chief.train(resolver, None, config), calls, logs
@@ -296,7 +296,7 @@ class TransientRetryTest(absltest.TestCase):
         self.assertNotIn("\n", lines[1])
 
     def test_retries_are_bounded(self):
-        from tf2sync._src import chief
+        from tf2sync._src.launcher import chief
 
         errors = [self._error(tf.errors.CancelledError)] * 4
         with self.assertRaisesRegex(

@@ -170,7 +170,7 @@ class EpochPlanTest(parameterized.TestCase):
         (2 * 7 * 32, 2, 32, 14, 7),
     )
     def test_default_epoch(self, n, workers, batch, steps, per_function):
-        from tf2sync._src import chief
+        from tf2sync._src.launcher import chief
 
         config = chief.ChiefConfig(batch_size=batch)
         self.assertEqual(
@@ -178,7 +178,7 @@ class EpochPlanTest(parameterized.TestCase):
         )
 
     def test_explicit_flags_win_and_need_no_example_count(self):
-        from tf2sync._src import chief
+        from tf2sync._src.launcher import chief
 
         config = chief.ChiefConfig(steps_per_epoch=20, steps_per_execution=3)
         self.assertEqual(chief.epoch_plan(object(), config, 2), (20, 3))

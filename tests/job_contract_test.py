@@ -9,8 +9,8 @@ import tensorflow as tf
 from absl import app
 from absl.testing import absltest
 
-from tf2sync._src import chief_report
-from tf2sync._src import job_contract
+from tf2sync._src.launcher import chief_report
+from tf2sync._src.launcher import job_contract
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -5,10 +5,10 @@ manifest as Kubernetes and JobSet would (the downward API's JobSet
 annotations, JOB_COMPLETION_INDEX, the pod's hostname) and handed to
 `jobset.cluster_from_environ`, the launcher's derivation; TensorFlow must
 read the equivalent TF_CONFIG the same way. No cluster is started: the
-launcher tests run `tf2sync._src.launch` in subprocesses, as a JobSet chief
-whose cluster does not answer (every name resolves to 127.0.0.1, where
-nothing listens), with a bad JobSet environment, and for --cluster_from's
-precedence.
+launcher tests run `tf2sync._src.launcher.launch` in subprocesses, as a
+JobSet chief whose cluster does not answer (every name resolves to
+127.0.0.1, where nothing listens), with a bad JobSet environment, and for
+--cluster_from's precedence.
 """
 
 import json
@@ -22,8 +22,8 @@ import deploy_test
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from tf2sync._src import jobset
-from tf2sync._src import processes
+from tf2sync._src.launcher import jobset
+from tf2sync._src.launcher import processes
 
 _JOBSET = os.path.join(deploy_test._DEPLOY, "jobset.yaml")
 _COMMAND = [*deploy_test._COMMAND, "--cluster_from=jobset"]
@@ -440,7 +440,7 @@ def _local_only(host, *args, **kwargs):
 
 socket.getaddrinfo = _local_only
 sys.argv[0] = "tf2sync"
-from tf2sync._src import launch
+from tf2sync._src.launcher import launch
 
 launch.run()
 """
@@ -456,7 +456,7 @@ import sys
 from absl import app
 from absl import flags
 
-from tf2sync._src import launch_input
+from tf2sync._src.launcher import input as launch_input
 
 base = dict(os.environ)
 for args, environ in json.loads(sys.argv[1]):

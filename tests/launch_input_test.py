@@ -283,7 +283,7 @@ class BadInputTest(parameterized.TestCase):
         self._check_refused([arg], f"--momentum={shown}: must be in [0, 1].")
 
     def test_optimizer_flags_at_their_bounds_are_taken(self):
-        from tf2sync._src import flag_checks
+        from tf2sync._src.launcher import flag_checks
 
         for rate, momentum in ((1e-9, 0.0), (10.0, 1.0)):
             flag_checks.check_optimizer_flags(rate, momentum)  # no refusal
@@ -291,7 +291,7 @@ class BadInputTest(parameterized.TestCase):
             flag_checks.check_optimizer_flags(0.1, 1.0000001)
 
     def test_cluster_tasks_that_are_not_distinct_strings(self):
-        from tf2sync._src import flag_checks
+        from tf2sync._src.launcher import flag_checks
 
         def named(role, hosts):
             return f"TF_CONFIG cluster {role}={json.dumps(hosts)}"
@@ -341,7 +341,7 @@ class BadInputTest(parameterized.TestCase):
         )
 
     def test_tf_config_with_two_chiefs(self):
-        from tf2sync._src import flag_checks
+        from tf2sync._src.launcher import flag_checks
 
         cluster = {"chief": ["h:4", "h:3"], "ps": ["h:1"], "worker": ["h:2"]}
         text = json.dumps(
@@ -727,7 +727,7 @@ class FlagChecksTest(parameterized.TestCase):
     """The pure checks, in process: what they let through."""
 
     def test_checkpoint_dir_created_if_missing(self):
-        from tf2sync._src import flag_checks
+        from tf2sync._src.launcher import flag_checks
 
         root = tempfile.mkdtemp()
         for path in (root, f"{root}/new", f"{root}/new/deeper", "gs://b/x"):
@@ -735,7 +735,7 @@ class FlagChecksTest(parameterized.TestCase):
         flag_checks.check_checkpoint_dir(None, writable=True)
 
     def test_evaluator_may_wait_for_a_missing_dir_but_not_a_file(self):
-        from tf2sync._src import flag_checks
+        from tf2sync._src.launcher import flag_checks
 
         root = tempfile.mkdtemp()
         flag_checks.check_checkpoint_dir(f"{root}/later", writable=False)
@@ -748,7 +748,7 @@ class FlagChecksTest(parameterized.TestCase):
     def test_num_train_examples_not_needed_with_steps_per_epoch(self):
         import fault_job
 
-        from tf2sync._src import flag_checks
+        from tf2sync._src.launcher import flag_checks
 
         class Job:
             build_model = eval_arrays = staticmethod(lambda: None)
@@ -770,7 +770,7 @@ class FlagChecksTest(parameterized.TestCase):
             )
 
     def test_evaluator_need_not_be_in_the_cluster(self):
-        from tf2sync._src import flag_checks
+        from tf2sync._src.launcher import flag_checks
 
         text = json.dumps(
             {
@@ -783,7 +783,7 @@ class FlagChecksTest(parameterized.TestCase):
         )
 
     def test_exactly_finished_checkpoint_is_let_through(self):
-        from tf2sync._src import flag_checks
+        from tf2sync._src.launcher import flag_checks
 
         flag_checks.check_epochs_left("d", "d/ckpt-3", 3, 3)
         flag_checks.check_epochs_left("d", None, 0, 1)

@@ -39,7 +39,7 @@ class PartitionerFromFlagsTest(absltest.TestCase):
     def _shards(self, shape, **config):
         import tensorflow as tf
 
-        from tf2sync._src import chief
+        from tf2sync._src.launcher import chief
 
         partitioner = chief.variable_partitioner(
             chief.ChiefConfig(**config), num_ps=2

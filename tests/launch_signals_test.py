@@ -17,7 +17,8 @@ import pytest
 from absl.testing import absltest
 
 import tf2sync
-from tf2sync._src import processes
+from tf2sync._src.launcher import local_tasks
+from tf2sync._src.launcher import processes
 
 # Every test here starts real processes.
 pytestmark = pytest.mark.slow
@@ -56,7 +57,7 @@ class LauncherDeathTest(absltest.TestCase):
             self.assertLen(pids, 3)
             self.assertTrue(all(procutil.running(p) for p in pids))
             # The tasks are forks (no interpreter started with task flags)
-            # of one forker, the launcher's child (processes.TaskForker).
+            # of one forker, the launcher's child (forker.TaskForker).
             forkers = {procutil.parent(p) for p in pids}
             self.assertLen(forkers, 1)
             forker = forkers.pop()
@@ -94,7 +95,7 @@ class LauncherDeathTest(absltest.TestCase):
         task = []
         try:
             task = [int(middle.stdout.readline())]
-            processes.wait_for_port(spec["ps"][0], 120)  # it serves
+            local_tasks.wait_for_port(spec["ps"][0], 120)  # it serves
             middle.send_signal(signal.SIGKILL)
             middle.wait(timeout=30)
             seconds = procutil.wait_gone(task, 10.0)

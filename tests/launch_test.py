@@ -77,7 +77,7 @@ class LaunchTest(parameterized.TestCase):
         self.assertIn("10 per function (unrolled)", out.stdout)
         self.assertLen(self._assert_tasks_ended(out), 3)
         # A task's lines go to its log, not the launcher's console (the
-        # tasks are forks of it: see processes.TaskForker).
+        # tasks are forks of it: see forker.TaskForker).
         self.assertNotIn("Serving ps:0", out.stdout + out.stderr)
         with open(os.path.join(logs, "ps0.log")) as f:
             self.assertIn("Serving ps:0", f.read())
@@ -479,9 +479,9 @@ class Tf1ShimFlagTest(absltest.TestCase):
     ):
         import fault_job
 
-        from tf2sync._src import chief
         from tf2sync._src.jobs import clicks
         from tf2sync._src.jobs import digits
+        from tf2sync._src.launcher import chief
 
         shim = chief.ChiefConfig(sync_optimizer="tf1_shim")
         with contextlib.redirect_stdout(io.StringIO()):
@@ -715,7 +715,7 @@ class DigitsJobTest(absltest.TestCase):
             "importlib.util.find_spec = lambda name, *a: (\n"
             "    None if name == 'sklearn' else find(name, *a))\n"
             "sys.argv = ['tf2sync', '--epochs=1']\n"
-            "from tf2sync._src import launch\n"
+            "from tf2sync._src.launcher import launch\n"
             "launch.run()\n"
         )
         out = procutil.run_python(code)
@@ -745,7 +745,7 @@ class PublicAddressWarningTest(absltest.TestCase):
     """The check only reads the host list: nothing is contacted."""
 
     def test_public_address_warns(self):
-        from tf2sync._src import launch_input
+        from tf2sync._src.launcher import input as launch_input
 
         with self.assertLogs(level="WARNING") as logs:
             launch_input.warn_public(["127.0.0.1:2222", "8.8.8.8:2222"])
@@ -755,7 +755,7 @@ class PublicAddressWarningTest(absltest.TestCase):
     def test_private_and_names_do_not_warn(self):
         from absl import logging
 
-        from tf2sync._src import launch_input
+        from tf2sync._src.launcher import input as launch_input
 
         with self.assertLogs(level="WARNING") as logs:
             logging.warning("sentinel")  # assertLogs needs one record

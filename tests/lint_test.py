@@ -392,7 +392,8 @@ class LintTest(absltest.TestCase):
 
     def test_build_targets_depend_on_what_they_import(self):
         # Each target lists the targets of the tf2sync modules its files
-        # import (`from tf2sync._src import x`), so Bazel builds them.
+        # import (`from tf2sync._src import x`, `from tf2sync._src.launcher
+        # import x`), so Bazel builds them.
         with open(os.path.join(_ROOT, "BUILD")) as f:
             build = f.read()
         targets = {}
@@ -417,7 +418,8 @@ class LintTest(absltest.TestCase):
                 with open(os.path.join(_ROOT, src)) as f:
                     text = f.read()
                 for package, module in re.findall(
-                    r"^[ \t]*from tf2sync\._src(\.internals)? import (\w+)",
+                    r"^[ \t]*from tf2sync\._src(\.internals|\.launcher)? "
+                    r"import (\w+)",
                     text,
                     re.M,
                 ):

@@ -1,9 +1,9 @@
-"""Local-mode GPU assignment (`processes.gpu_plan`), without a GPU."""
+"""Local-mode GPU assignment (`local_tasks.gpu_plan`), without a GPU."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from tf2sync._src import processes
+from tf2sync._src.launcher import local_tasks
 
 
 class GpuPlanTest(parameterized.TestCase):
@@ -20,7 +20,7 @@ class GpuPlanTest(parameterized.TestCase):
     )
     def test_plan(self, workers, per_worker, available, visible, shared):
         self.assertEqual(
-            processes.gpu_plan(workers, per_worker, available),
+            local_tasks.gpu_plan(workers, per_worker, available),
             (visible, shared),
         )
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from tf2sync._src import processes
+from tf2sync._src.launcher import processes
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")

@@ -11,21 +11,16 @@ import sys as _sys
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 # The `tf2sync` command: its console shows tf2sync's lines, TensorFlow's C++
-# log goes to a file; this must happen before TensorFlow loads.
-from tf2sync._src import console as _console  # noqa: E402
+# log goes to a file; this must happen before TensorFlow loads. It stays
+# here, not in the launcher's entry point: `python -m tf2sync` and the
+# console script import this package (and so TensorFlow) before their own
+# module runs. Only the launcher's own process is touched (`is_launcher`).
+from tf2sync._src.launcher import console as _console  # noqa: E402
 
 if _console.is_launcher(_sys.argv):
     _console.setup_launcher(_sys.argv)
 from tf2sync import compat  # noqa: E402
 from tf2sync import testing  # noqa: E402
-from tf2sync._src import loss_scale as _loss_scale  # noqa: E402
-
-_loss_scale.install()
-from tf2sync._src.internals import patches as _patches  # noqa: E402
-
-# tf2sync's own code runs as written inside the user's traced steps, as
-# TensorFlow's does (see tf2sync/_src/internals/autograph.py).
-_patches.autograph_skips_tf2sync.install()
 from tf2sync._src.callbacks import SyncMetrics  # noqa: E402
 from tf2sync._src.coordinator import OnePassPerEpoch  # noqa: E402
 from tf2sync._src.data_service import ServicePassPerEpoch  # noqa: E402

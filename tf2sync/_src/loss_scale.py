@@ -10,12 +10,12 @@ recognises it and does not wrap it a second time.
 
 tf_keras asks one function, `strategy_supports_loss_scaling()`, both before
 building a `mixed_float16` layer and before creating a loss-scale optimizer.
-`install()` (run when tf2sync is imported) extends it to answer True under
-`SyncParameterServerStrategy`, and only there; every other strategy gets
-tf_keras's own answer. The private tf_keras parts this takes (the legacy
-loss-scale optimizer class, that function, the dynamic scale's state) are
-in `internals.mixed_precision`; the replacement is `internals.patches`'s
-`loss_scaling_predicate`.
+`first_use.install()` (run when a `SyncParameterServerStrategy` is made)
+extends it to answer True under that strategy, and only there; every other
+strategy gets tf_keras's own answer. The private tf_keras parts this takes
+(the legacy loss-scale optimizer class, that function, the dynamic scale's
+state) are in `internals.mixed_precision`; the replacement is
+`internals.patches`'s `loss_scaling_predicate`.
 """
 
 from __future__ import annotations
@@ -25,25 +25,9 @@ import tf_keras
 
 from tf2sync._src.internals import checkpoints
 from tf2sync._src.internals import mixed_precision
-from tf2sync._src.internals import patches
 
 # Both families' loss-scale optimizers (the public class is their base).
 _ANY_LSO = tf_keras.mixed_precision.LossScaleOptimizer
-
-
-def _supports_loss_scaling():
-    if mixed_precision.keras_supports_loss_scaling():
-        return True
-    from tf2sync._src import strategy as strategy_lib
-
-    return tf.distribute.has_strategy() and isinstance(
-        tf.distribute.get_strategy(), strategy_lib.SyncParameterServerStrategy
-    )
-
-
-def install():
-    """Lets tf_keras build mixed_float16 layers under the sync strategy."""
-    patches.loss_scaling_predicate.install(_supports_loss_scaling)
 
 
 def wants_loss_scaling(optimizer) -> bool:

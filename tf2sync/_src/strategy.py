@@ -9,6 +9,7 @@ from absl import logging
 
 from tf2sync._src import config as config_lib
 from tf2sync._src import coordinator as coordinator_lib
+from tf2sync._src import first_use
 from tf2sync._src import fit_inputs
 from tf2sync._src import graph_rewrites
 from tf2sync._src import liveness
@@ -212,6 +213,7 @@ class SyncParameterServerStrategy(
             replicas_to_aggregate, total_num_replicas
         )
         fit_inputs.install()
+        first_use.install(SyncParameterServerStrategy)
         if self._sync_config.backup_note():
             logging.info("tf2sync: %s", self._sync_config.backup_note())
         variable_partitioner = sharding.checked(variable_partitioner)

@@ -13,7 +13,7 @@ from absl import logging
 
 from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import compat_v1
-from tf2sync._src import flag_checks
+from tf2sync._src import directories
 from tf2sync._src import options as options_lib
 from tf2sync._src.internals import keras_training
 
@@ -187,7 +187,7 @@ def checkpoint_dir(checkpoint_dir) -> None:
     if checkpoint_dir is None:
         return
     path = os.fspath(checkpoint_dir)
-    problem = flag_checks.directory_problem(path, writable=True)
+    problem = directories.directory_problem(path, writable=True)
     if problem:
         raise ValueError(
             f"`checkpoint_dir`: {problem}. Received: "

@@ -39,7 +39,7 @@ from tf2sync._src.internals import mixed_precision
 from tf2sync._src.internals import patch_kinds
 from tf2sync._src.internals import ps_variables
 
-# At import ----------------------------------------------------------------
+# When a SyncParameterServerStrategy is made ------------------------------
 
 
 def _with_tf2sync_rule(current):
@@ -63,7 +63,7 @@ autograph_skips_tf2sync = patch_kinds.GlobalPatch(
     them explicitly (`convert_as_caller`), as `tf.distribute.Strategy.run`
     does.""",
     versions="[2.21] [2.15]",
-    where="at import: tf2sync/__init__.py",
+    where="first_use.install(), from SyncParameterServerStrategy.__init__",
 )
 
 loss_scaling_predicate = patch_kinds.GlobalPatch(
@@ -77,7 +77,7 @@ loss_scaling_predicate = patch_kinds.GlobalPatch(
     loss-scale optimizer (it looks the function up at each call): tf_keras
     refuses loss scaling under PSS, with no hook (`loss_scale`).""",
     versions="[2.21] [2.15: kept]",
-    where="at import: tf2sync/__init__.py calls loss_scale.install()",
+    where="first_use.install(), from SyncParameterServerStrategy.__init__",
 )
 
 

@@ -1,7 +1,7 @@
 """Process start [2.21] [2.15: kept].
 
 Whether a fork of this process would share TensorFlow runtime state (see
-`processes.TaskForker`). The eager context has no public "initialised"
+`forker.TaskForker`). The eager context has no public "initialised"
 flag. TF lists the physical devices at absl's app start
 (`distribute.combinations` registers a callback), before any launcher
 code: a CPU listing is harmless to a fork, a GPU one has started CUDA.

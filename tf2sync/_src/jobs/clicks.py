@@ -53,7 +53,7 @@ _NUM_TRAIN = flags.DEFINE_integer(
     lower_bound=1,
 )
 
-# The launcher's defaults for this job (see `launch_flags.py`).
+# The launcher's defaults for this job (see `launcher/flags.py`).
 FLAG_DEFAULTS = {"batch_size": 256, "epochs": 2, "learning_rate": 0.05}
 
 LOSS = "binary_crossentropy"

@@ -11,18 +11,18 @@ import tensorflow as tf
 from absl import logging
 
 from tf2sync._src import checkpointing
-from tf2sync._src import chief_report
 from tf2sync._src import config as config_lib
-from tf2sync._src import job_contract
 from tf2sync._src import liveness
-from tf2sync._src import processes
 from tf2sync._src import sharding
 from tf2sync._src import watchdog
+from tf2sync._src.launcher import chief_report
+from tf2sync._src.launcher import job_contract
+from tf2sync._src.launcher import local_tasks
 
 
 @dataclasses.dataclass(frozen=True)
 class ChiefConfig:
-    """What the launcher's flags ask of the chief (see `launch_flags.py`)."""
+    """What the launcher's flags ask of the chief (see `flags.py`)."""
 
     replicas_to_aggregate: int | None = None
     total_num_replicas: int | None = None
@@ -226,7 +226,9 @@ def train(resolver, job, config: ChiefConfig):
             time.sleep(1.0)
             try:
                 for address in ps_hosts:
-                    processes.wait_for_port(address, config.ps_restart_timeout)
+                    local_tasks.wait_for_port(
+                        address, config.ps_restart_timeout
+                    )
             except TimeoutError as timeout:
                 raise RuntimeError(
                     f"The parameter server did not come back: {timeout}"

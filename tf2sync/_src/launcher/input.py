@@ -20,8 +20,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from tf2sync._src import console
-from tf2sync._src import launch_flags
+from tf2sync._src.launcher import console
+from tf2sync._src.launcher import flags as launch_flags
 
 
 def check_sharding_flags():
@@ -87,7 +87,7 @@ def cluster_source():
 
 def jobset_task():
     """This JobSet pod's `jobset.JobSetTask`; bad environment: usage error."""
-    from tf2sync._src import jobset
+    from tf2sync._src.launcher import jobset
 
     try:
         return jobset.cluster_from_environ(os.environ)
@@ -103,7 +103,7 @@ def check_input():
     chief connects (see `flag_checks`). ps and worker tasks check the
     flags and TF_CONFIG (or the JobSet environment) only.
     """
-    from tf2sync._src import flag_checks
+    from tf2sync._src.launcher import flag_checks
 
     if cluster_source() == "local":  # where the local tasks' logs go
         flag_checks.check_checkpoint_dir(
@@ -218,9 +218,9 @@ def _check_local_gpus():
     wanted = launch_flags.NUM_GPUS.value
     if not wanted:
         return
-    from tf2sync._src import processes
+    from tf2sync._src.launcher import local_tasks
 
-    available = processes.machine_gpus()
+    available = local_tasks.machine_gpus()
     if available == 0:
         raise app.UsageError(
             f"--num_gpus={wanted}: this machine shows TensorFlow no GPU "
@@ -409,7 +409,7 @@ def spec_from_flags(warn=True):
     }
     if launch_flags.CHIEF_HOST.value:
         spec["chief"] = [launch_flags.CHIEF_HOST.value]
-    from tf2sync._src import flag_checks
+    from tf2sync._src.launcher import flag_checks
 
     flag_checks.check_distinct_addresses(
         spec,
@@ -435,7 +435,7 @@ def spec_from_flags(warn=True):
 
 
 def chief_config():
-    from tf2sync._src import chief
+    from tf2sync._src.launcher import chief
 
     return chief.ChiefConfig(
         replicas_to_aggregate=launch_flags.REPLICAS_TO_AGGREGATE.value,
@@ -490,7 +490,7 @@ def load_job():
         ) from None
     except ImportError as e:  # the job module imports a name that is not
         raise app.UsageError(f"--job_module={name}: {e}", exitcode=2) from None
-    from tf2sync._src import chief
+    from tf2sync._src.launcher import chief
 
     try:
         chief.check_sync_optimizer(job, chief_config())

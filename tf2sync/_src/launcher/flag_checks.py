@@ -2,7 +2,7 @@
 
 Each check raises absl's `app.UsageError` (exit code 2: absl prints the
 usage hint and the message) with one line that names the flag, or
-`TF_CONFIG`, and the value received. `launch_input.check_input` runs them
+`TF_CONFIG`, and the value received. `input.check_input` runs them
 all from one place, before any task starts and before the chief
 connects. Nothing here imports TensorFlow; what a checkpoint holds is
 checked by `checkpointing.check_model_fits`.
@@ -14,11 +14,11 @@ import glob
 import json
 import math
 import os
-import tempfile
 
 from absl import app
 
-from tf2sync._src import job_contract
+from tf2sync._src import directories
+from tf2sync._src.launcher import job_contract
 
 _TASK_TYPES = ("chief", "ps", "worker", "evaluator")
 
@@ -63,67 +63,14 @@ def check_optimizer_flags(learning_rate: float, momentum: float) -> None:
         _refuse(f"--momentum={momentum!r}: must be in [0, 1].")
 
 
-def _is_remote(path: str) -> bool:
-    return "://" in path  # gs://, s3://, hdfs://: left to TensorFlow
-
-
 def check_checkpoint_dir(
     path: str | None, *, writable: bool, name: str = "checkpoint_dir"
 ) -> None:
     """Refuses a --checkpoint_dir (or another directory flag, `name`) that
-    `directory_problem` finds wrong."""
-    problem = directory_problem(path, writable=writable)
+    `directories.directory_problem` finds wrong."""
+    problem = directories.directory_problem(path, writable=writable)
     if problem:
         _refuse(f"--{name}={path}: {problem}.")
-
-
-def directory_problem(path: str | None, *, writable: bool) -> str | None:
-    """What is wrong with `path` as a directory to save into (`writable`)
-    or read from, in words ("is a file, not a directory"), or None.
-
-    A directory that does not exist yet is fine if its nearest existing
-    parent is a writable directory (the first save creates it). Remote
-    paths (`scheme://...`) are not checked.
-    """
-    if not path or _is_remote(path):
-        return None
-    if os.path.exists(path) and not os.path.isdir(path):
-        return "is a file, not a directory"
-    if not writable:
-        return None
-    if os.path.isdir(path):
-        if not os.access(path, os.W_OK | os.X_OK):
-            return "the directory is not writable"
-        why = _cannot_create_in(path)
-        return f"the directory is not writable ({why})" if why else None
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return f"cannot be created: {parent} is a file"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"cannot be created: {parent} is not writable"
-    why = _cannot_create_in(parent)
-    if why:
-        return f"cannot be created: {parent} is not writable ({why})"
-    return None
-
-
-def _cannot_create_in(directory: str) -> str | None:
-    """Why a file cannot be made in `directory` (the OS's words), or None.
-
-    `os.access` answers for the permission bits, and for root nearly always
-    yes: a read-only mount, or a directory such as /proc, refuses only when
-    something is made there. So a file is made and removed, once, at the
-    start, rather than the first save failing after an epoch trained.
-    """
-    try:
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".tf2sync-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        return e.strerror or str(e)
-    return None
 
 
 def check_job_api(

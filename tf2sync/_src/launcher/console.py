@@ -207,7 +207,7 @@ def auto_cluster_source(job_name, environ=os.environ) -> str:
     Role flags first, then TF_CONFIG, then a JobSet pod, else the local
     mode (the launcher's module docstring).
     """
-    from tf2sync._src import jobset  # no TensorFlow
+    from tf2sync._src.launcher import jobset  # no TensorFlow
 
     if job_name is not None:
         return "flags"

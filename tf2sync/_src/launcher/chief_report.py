@@ -9,9 +9,9 @@ synchronous counts, as `name=value` pairs that scripts parse.
 from __future__ import annotations
 
 from tf2sync._src import callbacks as callbacks_lib
-from tf2sync._src import job_contract
 from tf2sync._src import liveness
 from tf2sync._src import sharding
+from tf2sync._src.launcher import job_contract
 
 
 def evaluate(job, model):

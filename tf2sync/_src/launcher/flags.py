@@ -1,18 +1,18 @@
 """The launcher's flags (`launch`): the only module that defines absl flags.
 
-Each flag is a `flags.FlagHolder`; `launch_input` checks their values
+Each flag is a `flags.FlagHolder`; `input` checks their values
 before any task starts, and `launch` converts them to the chief's config
-(`launch_input.chief_config`). Validators here refuse a malformed single
+(`input.chief_config`). Validators here refuse a malformed single
 value at parse time (absl's usage error); checks that need several flags,
-TF_CONFIG or the job module are `launch_input.check_input`'s.
+TF_CONFIG or the job module are `input.check_input`'s.
 """
 
 from __future__ import annotations
 
 from absl import flags
 
-from tf2sync._src import console
-from tf2sync._src import flag_checks
+from tf2sync._src.launcher import console
+from tf2sync._src.launcher import flag_checks
 
 JOB_NAME = flags.DEFINE_enum(
     "job_name",

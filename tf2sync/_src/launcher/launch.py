@@ -24,8 +24,8 @@ TF's gRPC servers listen on all interfaces without authentication: keep the
 cluster's ports on a private network. The launcher warns when a host list
 names a public address.
 
-The launcher is three modules: `launch_flags` defines its flags (the only
-module that does), `launch_input` refuses bad input before any task starts
+The launcher is three modules: `flags` defines its flags (the only
+module that does), `input` refuses bad input before any task starts
 and reads the cluster the flags name, and this one runs the role.
 """
 
@@ -40,10 +40,10 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from tf2sync._src import console
-from tf2sync._src import job_contract
-from tf2sync._src import launch_flags
-from tf2sync._src import launch_input
+from tf2sync._src.launcher import console
+from tf2sync._src.launcher import flags as launch_flags
+from tf2sync._src.launcher import input as launch_input
+from tf2sync._src.launcher import job_contract
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
@@ -59,7 +59,7 @@ def _serve(spec, job, index):
     import tensorflow as tf
 
     from tf2sync._src import cluster as cluster_lib
-    from tf2sync._src import processes
+    from tf2sync._src.launcher import processes
 
     _place_devices(job)
     num_workers = len(spec.get("worker", []))
@@ -90,9 +90,9 @@ def _serve(spec, job, index):
 
 def _forks_local_tasks() -> bool:
     """Whether the local mode will start its tasks as forks: no GPUs
-    planned (see `processes.LocalProcessCluster`) nor found, and TensorFlow
+    planned (see `local_tasks.LocalProcessCluster`) nor found, and TensorFlow
     has run nothing yet (a job module may at import: see
-    `processes.TaskForker`)."""
+    `forker.TaskForker`)."""
     if (
         launch_flags.JOB_NAME.value is not None
         or launch_flags.NUM_GPUS.value is not None
@@ -109,9 +109,9 @@ def _forks_local_tasks() -> bool:
 
 
 def _serve_forked(spec, job, index, args):
-    """A local task forked from the launcher (`processes.LocalProcessCluster`)
+    """A local task forked from the launcher (`local_tasks.LocalProcessCluster`)
     : its flags `args` on top of the launcher's, then `_serve`."""
-    from tf2sync._src import processes
+    from tf2sync._src.launcher import processes
 
     processes.exit_with_parent()
     if args:
@@ -157,7 +157,7 @@ def train(resolver, job):
     --input_sharding=service, serves the tf.data dispatcher meanwhile."""
     import dataclasses
 
-    from tf2sync._src import chief
+    from tf2sync._src.launcher import chief
 
     config = launch_input.chief_config()
     target = _dispatcher_target(resolver.cluster_spec().as_dict())
@@ -191,15 +191,16 @@ def train(resolver, job):
         del dispatcher
 
 
-_FORKER = []  # the local mode's processes.TaskForker, made in `main`
+_FORKER = []  # the local mode's forker.TaskForker, made in `main`
 
 
 def main(argv):
-    from tf2sync._src import processes
+    from tf2sync._src.launcher import forker
+    from tf2sync._src.launcher import processes
 
     if _forks_local_tasks():
-        # Before any thread or TensorFlow op: see processes.TaskForker.
-        _FORKER.append(processes.TaskForker(_serve_forked))
+        # Before any thread or TensorFlow op: see forker.TaskForker.
+        _FORKER.append(forker.TaskForker(_serve_forked))
     # First of all: a local task ends with its launcher, and SIGINT /
     # SIGTERM end this process (one line, exit 130 / 143), whatever
     # disposition it inherited. `_serve` makes them exit 0 in a task.
@@ -279,13 +280,13 @@ def _main():
         return _main_tf_config(job)
     if source == "jobset":
         return _main_jobset(job)
-    from tf2sync._src import processes
+    from tf2sync._src.launcher import local_tasks
 
     workers, ps = launch_input.local_workers_and_ps()
     log_dir = console.launcher_log_dir() or console.task_log_dir(
         launch_flags.TASK_LOG_DIR.value
     )
-    cluster = processes.LocalProcessCluster(
+    cluster = local_tasks.LocalProcessCluster(
         workers,
         ps,
         log_dir=log_dir,
@@ -363,10 +364,10 @@ def _evaluate(job):
 
 
 def _wait_all(spec):
-    from tf2sync._src import processes
+    from tf2sync._src.launcher import local_tasks
 
     for address in spec["ps"] + spec["worker"]:
-        processes.wait_for_port(address, launch_flags.CONNECT_TIMEOUT.value)
+        local_tasks.wait_for_port(address, launch_flags.CONNECT_TIMEOUT.value)
 
 
 def _main_tf_config(job):
