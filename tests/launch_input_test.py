@@ -564,9 +564,10 @@ class BadInputTest(parameterized.TestCase):
         env = self._env_with_job_dir()
         self._check_refused(
             ["--job_module=half_job"],
-            "--job_module=half_job: the module lacks train_dataset(), "
-            "eval_arrays(), num_train_examples(), METRICS (a job defines "
-            "build_model, train_dataset, eval_arrays, num_train_examples, "
+            "--job_module=half_job: the module lacks train_dataset("
+            "input_context, batch_size), eval_arrays(), num_train_examples(), "
+            "METRICS (a job defines build_model(), train_dataset("
+            "input_context, batch_size), eval_arrays(), num_train_examples(), "
             "LOSS, METRICS; see tf2sync/_src/jobs/digits.py).",
             env=env,
         )
