@@ -195,8 +195,10 @@ def save_sync_totals(checkpoint, path: str) -> None:
     if aggregator is None:
         return
     totals = aggregator.totals()
-    with tf.io.gfile.GFile(path + _TOTALS, "w") as f:
+    temporary = path + _TOTALS + ".tmp"  # a reader never sees half a file
+    with tf.io.gfile.GFile(temporary, "w") as f:
         f.write(json.dumps(totals))
+    tf.io.gfile.rename(temporary, path + _TOTALS, True)
 
 
 def restore_sync_totals(checkpoint, path: str) -> None:
@@ -207,7 +209,14 @@ def restore_sync_totals(checkpoint, path: str) -> None:
     if aggregator is None or not tf.io.gfile.exists(path + _TOTALS):
         return
     with tf.io.gfile.GFile(path + _TOTALS) as f:
-        aggregator.restore_totals(json.loads(f.read()))
+        try:
+            totals = json.loads(f.read())
+        except ValueError:  # not ours, or damaged: count from 0
+            logging.warning(
+                "tf2sync: unreadable %s: counters start at 0.", path + _TOTALS
+            )
+            return
+    aggregator.restore_totals(totals)
 
 
 class EpochCheckpoint(tf_keras.callbacks.Callback):
