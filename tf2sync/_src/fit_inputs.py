@@ -231,6 +231,20 @@ def _split_arrays(model, arguments) -> None:
     arguments.update(head, validation_split=0.0, validation_data=tuple(tail))
 
 
+def _exact_dataset(model, x, y, sample_weight, batch_size, steps):
+    """The data `x` (arrays with `y` and `sample_weight`, or a dataset)
+    ready for exact evaluation (`for_exact_evaluation`), or None where
+    exact evaluation does not apply: the model (`exact_allowed`), or data
+    that is neither arrays nor a finite dataset."""
+    if not exact_allowed(model):
+        return None
+    if is_arrays(x):
+        x = _arrays_dataset(x, y, sample_weight, batch_size)
+    elif not (isinstance(x, tf.data.Dataset) and _finite(x)):
+        return None
+    return for_exact_evaluation(model, x, steps)
+
+
 def _wrap_fit(original):
     signature = inspect.signature(original)
 
@@ -264,19 +278,19 @@ def _wrap_fit(original):
                 batch or _DEFAULT_BATCH_SIZE,
             )
         data = arguments.get("validation_data")
+        if isinstance(data, (tuple, list)):
+            data = (tuple(data) + (None, None))[:3]
+        else:
+            data = (data, None, None)
         exact = None
-        if data is not None and exact_allowed(model):
-            if isinstance(data, (tuple, list)) and is_arrays(data[0]):
-                exact = _arrays_dataset(
-                    *(tuple(data) + (None,))[:3],
-                    arguments.get("validation_batch_size") or batch,
-                )
-            elif isinstance(data, tf.data.Dataset) and _finite(data):
-                exact = data
-        if exact is not None:
-            exact = for_exact_evaluation(
-                model, exact, arguments.get("validation_steps")
+        if data[0] is not None:
+            exact = _exact_dataset(
+                model,
+                *data,
+                arguments.get("validation_batch_size") or batch,
+                arguments.get("validation_steps"),
             )
+        if exact is not None:
             arguments["validation_data"] = exact
             arguments["validation_steps"] = None
         try:
@@ -299,23 +313,17 @@ def _wrap_evaluate(original):
         inner = arguments.get("kwargs", {})
         if not _under_sync(model) or inner.get("_use_cached_eval_dataset"):
             return original(*args, **kwargs)  # fit's validation: as set up
-        x = arguments.get("x")
-        exact = None
-        if exact_allowed(model):
-            if is_arrays(x):
-                exact = _arrays_dataset(
-                    x,
-                    arguments.get("y"),
-                    arguments.get("sample_weight"),
-                    arguments.get("batch_size"),
-                )
-                arguments.update(y=None, sample_weight=None)
-            elif isinstance(x, tf.data.Dataset) and _finite(x):
-                exact = x
+        exact = _exact_dataset(
+            model,
+            arguments.get("x"),
+            arguments.get("y"),
+            arguments.get("sample_weight"),
+            arguments.get("batch_size"),
+            arguments.get("steps"),
+        )
         if exact is None:
             return original(*bound.args, **bound.kwargs)
-        exact = for_exact_evaluation(model, exact, arguments.get("steps"))
-        arguments.update(x=exact, steps=None)
+        arguments.update(x=exact, y=None, sample_weight=None, steps=None)
         _build_metrics(model, exact, original)
         with _ExactEvaluation(model, exact):
             return _as_python(original(*bound.args, **bound.kwargs))

@@ -214,8 +214,8 @@ class SyncParameterServerStrategy(
         )
         fit_inputs.install()
         first_use.install(SyncParameterServerStrategy)
-        if self._sync_config.backup_note():
-            logging.info("tf2sync: %s", self._sync_config.backup_note())
+        if note := self._sync_config.backup_note():
+            logging.info("tf2sync: %s", note)
         variable_partitioner = sharding.checked(variable_partitioner)
         if variable_partitioner is not None:
             patches.sharded_autocast.install()  # mixed_float16 layers

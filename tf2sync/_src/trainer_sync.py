@@ -95,7 +95,8 @@ class Tf1Shim(KerasSync):
         self.optimizer.apply_gradients(grads_and_vars, self.global_step)
 
     def begin(self) -> None:
-        pass
+        """Nothing to refuse: every shim optimizer of a strategy shares its
+        one protocol (`engine.PushFirstStep.of`), so none replaces another."""
 
     def step(self) -> int:
         return int(self.global_step.numpy())
