@@ -185,6 +185,45 @@ class FaultTest(absltest.TestCase):
         self.assertFalse(any(procutil.alive(p) for p in pids))
         self._check_final_weights(output, directory + "/ckpt")
 
+    def test_ps_dies_inside_an_epoch_the_chief_resumes_from_its_save(self):
+        # Saves every 4 steps: the ps is killed after one inside epoch 2,
+        # the chief resumes there and runs the epoch's steps left.
+        spec = tf2sync.testing.cluster_spec_dict(2, 1)
+        tasks = procutil.Tasks(spec)
+        directory = tempfile.mkdtemp()
+        log = directory + "/chief.err"
+        ckpt = directory + "/ckpt"
+        args = _chief_args(spec, ckpt, 5) + ["--checkpoint_every_steps=4"]
+        chief = procutil.start(
+            [*args, "--ps_restart_timeout=120"], stderr_path=log
+        )
+        try:
+            saved = None
+            deadline = time.monotonic() + 180
+            while saved is None and time.monotonic() < deadline:
+                latest = tf.train.latest_checkpoint(ckpt) or ""
+                if re.search(r"ckpt-[12]_\d+$", latest):
+                    saved = latest
+                time.sleep(0.02)
+            self.assertIsNotNone(saved, "no save inside epoch 2 or 3")
+            tasks.kill("ps", 0)
+            time.sleep(2)
+            tasks.restart("ps", 0)  # same address, empty variables
+            output = chief.stdout.read()
+            chief.wait(timeout=240)
+        finally:
+            procutil.kill(chief)
+            pids = tasks.stop()
+        with open(log) as f:
+            stderr = f.read()
+        self.assertEqual(chief.returncode, 0, stderr[-3000:])
+        resumed = re.search(r"Resumed from \S*/(ckpt-\d+_\d+)", stderr)
+        self.assertIsNotNone(resumed, stderr[-3000:])  # inside an epoch
+        self.assertFalse(any(procutil.alive(p) for p in pids))
+        # 5 epochs of 20 steps, 2 pushes an update: no update lost (the
+        # saves hold whole updates) and none over the plan.
+        self.assertEqual(self._check_final_weights(output, ckpt), 50)
+
     def test_ps_that_never_comes_back_fails_with_its_address(self):
         spec = tf2sync.testing.cluster_spec_dict(2, 1)
         tasks = procutil.Tasks(spec)

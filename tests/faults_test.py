@@ -198,12 +198,12 @@ import numpy as np
 import tf2sync
 import tensorflow as tf
 from tensorflow.python.checkpoint import checkpoint_management
-from tf2sync._src import checkpointing
 
 directory = sys.argv[1]
 model = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(3,))])
-optimizer = tf.keras.optimizers.SGD(0.1)
-saver = checkpointing.EpochCheckpoint(directory, model, optimizer)
+model.compile(tf.keras.optimizers.SGD(0.1), "mse")
+saver = tf2sync.SyncCheckpoint(directory)
+saver.set_model(model)
 saver.on_epoch_end(0)  # ckpt-1
 np.save(os.path.join(directory, "saved.npy"), model.get_weights()[0])
 model.set_weights([w + 1.0 for w in model.get_weights()])
@@ -348,8 +348,6 @@ class OneTraceSaverTest(absltest.TestCase):
 
 class EpochCheckpointTraceTest(absltest.TestCase):
     def test_fit_traces_its_save_once_before_the_first_step(self):
-        from tf2sync._src import checkpointing
-
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         with strategy.scope():
             model = testutil.dense_model()
@@ -359,9 +357,7 @@ class EpochCheckpointTraceTest(absltest.TestCase):
                 ),
                 loss="mse",
             )
-        saver = checkpointing.EpochCheckpoint(
-            tempfile.mkdtemp(), model, model.optimizer
-        )
+        saver = tf2sync.SyncCheckpoint(tempfile.mkdtemp())
         x, y = testutil.data("dense", 8)
         data = tf.data.Dataset.from_tensors((x, y)).repeat()
         model.fit(data, epochs=2, steps_per_epoch=4, callbacks=[saver])
@@ -370,7 +366,7 @@ class EpochCheckpointTraceTest(absltest.TestCase):
         write = saver._saver._write
         self.assertEqual(write.experimental_get_tracing_count(), 1)
         reader = tf.train.load_checkpoint(
-            tf.train.latest_checkpoint(saver._manager.directory)
+            tf.train.latest_checkpoint(saver.directory)
         )
         keys = list(reader.get_variable_to_shape_map())
         momenta = [k for k in keys if "inner_optimizer/_variables/" in k]

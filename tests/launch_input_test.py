@@ -196,6 +196,7 @@ class BadInputTest(parameterized.TestCase):
         ("epochs_0", "--epochs=0"),
         ("steps_per_execution_0", "--steps_per_execution=0"),
         ("steps_per_epoch_0", "--steps_per_epoch=0"),
+        ("checkpoint_every_steps_0", "--checkpoint_every_steps=0"),
     )
     def test_non_positive_count(self, arg):
         self._check_refused([arg], f"{arg}: must be a positive integer.")
@@ -223,6 +224,27 @@ class BadInputTest(parameterized.TestCase):
     def test_a_flag_absl_cannot_parse_exits_2_in_one_line(self, arg, line):
         # absl's own parsing error exits 1 with two lines.
         self._check_refused([arg], f"{line} (tf2sync --help lists the flags)")
+
+    @parameterized.named_parameters(
+        ("seconds_0", ["--checkpoint_every_s=0"], "0.0"),
+        ("seconds_nan", ["--checkpoint_every_s=nan"], "nan"),
+        ("seconds_inf", ["--checkpoint_every_s=inf"], "inf"),
+    )
+    def test_bad_checkpoint_seconds(self, args, shown):
+        self._check_refused(
+            args + ["--checkpoint_dir=/tmp/unused"],
+            f"--checkpoint_every_s={shown}: must be a finite number > 0.",
+        )
+
+    @parameterized.named_parameters(
+        ("seconds", "--checkpoint_every_s=30", "30"),
+        ("steps", "--checkpoint_every_steps=100", "100"),
+    )
+    def test_checkpoint_cadence_without_a_directory(self, arg, shown):
+        name = arg.split("=")[0]
+        self._check_refused(
+            [arg], f"{name}={shown}: needs --checkpoint_dir (where to save)."
+        )
 
     def test_more_total_replicas_than_the_local_workers(self):
         self._check_refused(

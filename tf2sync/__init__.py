@@ -24,6 +24,7 @@ from tf2sync import testing  # noqa: E402
 from tf2sync._src.callbacks import SyncMetrics  # noqa: E402
 from tf2sync._src.coordinator import OnePassPerEpoch  # noqa: E402
 from tf2sync._src.data_service import ServicePassPerEpoch  # noqa: E402
+from tf2sync._src.fit_checkpoint import SyncCheckpoint  # noqa: E402
 from tf2sync._src.multi_optimizer import MultiOptimizer  # noqa: E402
 from tf2sync._src.optimizer import SyncOptimizer  # noqa: E402
 from tf2sync._src.options import SyncOptions  # noqa: E402
@@ -38,6 +39,7 @@ __all__ = [
     "MultiOptimizer",
     "OnePassPerEpoch",
     "ServicePassPerEpoch",
+    "SyncCheckpoint",
     "SyncMetrics",
     "SyncOptimizer",
     "SyncOptions",

@@ -186,7 +186,10 @@ class SyncMetrics(tf_keras.callbacks.ProgbarLogger):
         super().on_train_begin(logs)
 
     def _shown(self, logs):
-        if logs is None or self.show_all:
+        # Not a dict: a function's logs not fetched (a batch hook of
+        # another callback has fit call every callback's; verbose=2 reads
+        # none of them).
+        if not isinstance(logs, dict) or self.show_all:
             return logs
         return epoch_line(logs)
 

@@ -1,17 +1,19 @@
-"""Epoch checkpoints for the chief, resume, and an evaluator that follows them.
+"""Checkpoints: the one-trace saver, checks before a restore, the sync
+counters beside each save, and an evaluator that follows the saves.
 
-The chief saves `tf.train.Checkpoint(model=..., optimizer=...)` after each
-epoch as `<dir>/ckpt-<epoch>` (weights, the global step, every slot and
-group state), keeping the last few. `tf.train.CheckpointManager` writes the
-files first and the `checkpoint` index last, so a chief killed while saving
-leaves the previous checkpoint usable. A restarted chief restores the latest
-one and continues from the next epoch.
+`fit`'s callback (`fit_checkpoint.SyncCheckpoint`) and `Trainer` save
+`tf.train.Checkpoint(model=..., optimizer=...)` as `<dir>/ckpt-<epochs>`
+(weights, the global step, every slot and group state), and inside an
+epoch as `<dir>/ckpt-<epochs>_<steps>`, keeping the last few. Files are
+written first and the `checkpoint` index last, so a process killed while
+saving leaves the previous checkpoint usable.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import time
 
@@ -84,8 +86,66 @@ def _variables_by_key(root):
             queue.append((f"{prefix}/{escaped}" if prefix else escaped, child))
 
 
+def check_every(name: str, value, kind) -> None:
+    """Refuses a save cadence (`every_steps`: `kind` int; seconds: a
+    number) that is not None nor a positive finite number."""
+    if value is None:
+        return
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if ok and kind is not int:
+        ok = math.isfinite(value)
+    if not ok or value <= 0:
+        what = "an int" if kind is int else "a number of seconds"
+        raise ValueError(
+            f"`{name}` must be None or {what} > 0. Received: {name}={value!r}"
+        )
+
+
+class Cadence:
+    """When a save inside an epoch is due: `every_steps` steps of the
+    epoch, or `every_seconds`, since the last save (either None: not by
+    it)."""
+
+    def __init__(self, every_steps=None, every_seconds=None):
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.saved(0)
+
+    def __bool__(self):
+        return bool(self.every_steps or self.every_seconds)
+
+    def saved(self, step: int) -> None:
+        """A save was made at `step` of its epoch (0: at an epoch's start
+        or end)."""
+        self._step = step
+        self._at = time.monotonic()
+
+    def epoch_begins(self, step: int) -> None:
+        """An epoch begins at `step` (0, or where a resumed one starts):
+        steps count from there, seconds from the last save."""
+        self._step = step
+
+    def due(self, step: int) -> bool:
+        """Whether `step` steps of the epoch done call for a save."""
+        return (
+            self.every_steps is not None
+            and step - self._step >= self.every_steps
+        ) or (
+            self.every_seconds is not None
+            and time.monotonic() - self._at >= self.every_seconds
+        )
+
+
+def position_of(path: str) -> tuple[int, int]:
+    """`(epochs done, steps of the next epoch done)` of a checkpoint's
+    prefix: `<dir>/ckpt-3` at an epoch's end, `<dir>/ckpt-3_120` inside
+    one (`SyncCheckpoint`)."""
+    epoch, _, step = os.path.basename(path).rsplit("-", 1)[1].partition("_")
+    return int(epoch), int(step or 0)
+
+
 def _epoch_of(path: str) -> int:
-    return int(os.path.basename(path).rsplit("-", 1)[1])
+    return position_of(path)[0]
 
 
 def latest_epoch(directory: str):
@@ -114,7 +174,7 @@ def check_model_fits(build_model, directory: str) -> None:
     variables with the checkpoint's: a variable the checkpoint lacks, one
     of another shape, or (for a model that is built) one the checkpoint has
     and the model lacks. The optimizer's variables are not compared (they
-    are created at the first step); `EpochCheckpoint.restore_latest` checks
+    are created at the first step); `SyncCheckpoint.restore_latest` checks
     those it can. Does nothing where `directory` holds no checkpoint, or
     where the model cannot be built outside the chief's strategy.
 
@@ -219,55 +279,6 @@ def restore_sync_totals(checkpoint, path: str) -> None:
     aggregator.restore_totals(totals)
 
 
-class EpochCheckpoint(tf_keras.callbacks.Callback):
-    """Saves model and optimizer after every epoch; restores on request."""
-
-    def __init__(self, directory: str, model, optimizer, max_to_keep=3):
-        super().__init__()
-        self._optimizer = optimizer
-        self._checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-        self._manager = tf.train.CheckpointManager(
-            self._checkpoint,
-            directory,
-            max_to_keep=max_to_keep,
-            checkpoint_name="ckpt",
-        )
-        # Saves through one traced function (see `OneTraceSaver`).
-        self._saver = OneTraceSaver(self._checkpoint, directory, max_to_keep)
-
-    def restore_latest(self) -> int:
-        """Restores the newest checkpoint; returns the epochs it completed."""
-        latest = tf.train.latest_checkpoint(self._manager.directory)
-        if latest is None:
-            return 0
-        check_shapes(self._checkpoint, latest)
-        self._checkpoint.restore(latest).assert_existing_objects_matched()
-        restore_sync_totals(self._checkpoint, latest)
-        logging.warning("Resumed from %s", latest)
-        return _epoch_of(latest)
-
-    def on_train_begin(self, logs=None):
-        # Every variable the checkpoint saves exists before the first step
-        # (a SyncOptimizer's slots are otherwise built when its step is
-        # traced), and the save is traced now (see `OneTraceSaver`).
-        try:
-            sync = callbacks_lib.find_sync_optimizer(self._optimizer)
-        except ValueError:
-            sync = None
-        model = self.model
-        if (
-            sync is not None
-            and model is not None
-            and getattr(model, "built", False)
-            and model.trainable_variables
-        ):  # an unbuilt model's optimizer builds at its first step
-            sync.build(model.trainable_variables)
-        self._saver.prepare()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._saver.save(epoch + 1)
-
-
 def evaluate_checkpoints(
     build_model,
     eval_arrays,
@@ -301,6 +312,8 @@ def evaluate_checkpoints(
     x, y = eval_arrays
     results = []
     for path in tf.train.checkpoints_iterator(directory, timeout=timeout):
+        if position_of(path)[1]:
+            continue  # a save inside an epoch: epochs are evaluated
         checkpoint.restore(path).expect_partial()
         values = model.evaluate(x, y, verbose=0, return_dict=True)
         epoch = _epoch_of(path)
@@ -362,8 +375,9 @@ class OneTraceSaver:
             self._variables = variables
         return self._write
 
-    def save(self, checkpoint_number: int) -> str:
-        """Writes checkpoint `<name>-<checkpoint_number>`; returns its path."""
+    def save(self, checkpoint_number) -> str:
+        """Writes checkpoint `<name>-<checkpoint_number>` (an int, or a
+        string such as `SyncCheckpoint`'s `3_120`); returns its path."""
         # Counted as the manager counts saves (restores expect it saved).
         self._checkpoint.save_counter.assign_add(1)
         write = self._function()

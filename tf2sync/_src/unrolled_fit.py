@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import tensorflow as tf
 import tf_keras
 
@@ -414,14 +416,17 @@ def _warm_epoch_end(model):
         pass
 
 
+_CALLED = weakref.WeakSet()  # fit data handlers that made a call
+
+
 def _plan(coordinator, functions, handler):
     """Caps the run's updates at what its epochs planned
     (`SyncCoordinator.plan_epoch`), at each epoch's first call: a function
     re-run after a worker fault then adds no update. `functions` are the
     call's (more than one when it runs as single steps or is split over
-    the workers: `_pieces`), all under the cap. A call whose epoch has no
-    known length, or that resumes inside an epoch, lifts the cap instead
-    (nothing to plan from)."""
+    the workers: `_pieces`), all under the cap. A run that starts inside
+    an epoch (resumed) plans that epoch's steps left. A call whose epoch
+    has no known length lifts the cap instead (nothing to plan from)."""
     if not hasattr(coordinator, "plan_epoch"):
         return
     if data_service.pass_of(handler) is not None:
@@ -431,8 +436,11 @@ def _plan(coordinator, functions, handler):
         return
     position = keras_training.fit_epoch_position(handler)
     if handler is not None and position is not None and position[1]:
-        if position[0] == 0:
-            coordinator.plan_epoch(functions[0], position[1], handler)
+        first, steps = position
+        resumed = first and handler not in _CALLED  # nothing in flight
+        if first == 0 or resumed:
+            coordinator.plan_epoch(functions[0], steps - first, handler)
+        _CALLED.add(handler)
         if coordinator.in_plan(handler):
             for function in functions:
                 coordinator.planned(function)

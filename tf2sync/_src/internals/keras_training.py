@@ -129,3 +129,13 @@ def implements_train_batch_hooks(callback) -> bool:
     `TensorBoard` tracing) [2.21] [2.15]."""
     implements = getattr(callback, "_implements_train_batch_hooks", None)
     return bool(implements()) if implements is not None else False
+
+
+def set_fit_resume(model, resume) -> None:
+    """Makes `model`'s next `fit` start at the `(epoch, step)` that
+    `resume.maybe_load_initial_counters_from_ckpt(steps_per_epoch,
+    initial_epoch, mode)` returns (tf_keras's `_training_state`, which its
+    `BackupAndRestore` sets, and which `fit` reads after `on_train_begin`);
+    None: as `fit` is called [2.21] [2.15]."""
+    with trackable.no_automatic_dependency_tracking_scope(model):
+        model._training_state = resume

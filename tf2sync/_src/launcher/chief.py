@@ -10,7 +10,6 @@ import time
 import tensorflow as tf
 from absl import logging
 
-from tf2sync._src import checkpointing
 from tf2sync._src import config as config_lib
 from tf2sync._src import liveness
 from tf2sync._src import sharding
@@ -38,6 +37,8 @@ class ChiefConfig:
     token_timeout: float | None = 60.0
     worker_timeout: float | None = 60.0
     checkpoint_dir: str | None = None
+    checkpoint_every_steps: int | None = None
+    checkpoint_every_s: float | None = None
     model_log_dir: str | None = None
     verbose_sync_metrics: bool = False
     ps_restart_timeout: float = 300.0
@@ -442,14 +443,13 @@ def _fit(model, job, config: ChiefConfig, steps: int, shim: bool) -> float:
         data = tf2sync.ServicePassPerEpoch(
             job_contract.call(job, "train_pass", batch), config.data_service
         )
-    callbacks, initial_epoch = _callbacks(model, config, shim)
+    callbacks = _callbacks(config, shim)
     if hasattr(job, "callbacks"):  # the job's own (benchmarks/chaos.py)
         callbacks += job_contract.call(job, "callbacks")
     start = time.monotonic()
     model.fit(
         data,
         epochs=config.epochs,
-        initial_epoch=initial_epoch,
         steps_per_epoch=steps,
         # One line per epoch, in a terminal too: tf_keras refuses a
         # progress bar (verbose=1) under ParameterServerStrategy.
@@ -459,15 +459,10 @@ def _fit(model, job, config: ChiefConfig, steps: int, shim: bool) -> float:
     return time.monotonic() - start
 
 
-def _callbacks(model, config: ChiefConfig, shim: bool):
-    """`fit`'s callbacks, and the epoch to start from.
-
-    With `config.checkpoint_dir`, the latest epoch checkpoint is restored
-    into `model` here.
-
-    Returns:
-      `(callbacks, initial_epoch)`.
-    """
+def _callbacks(config: ChiefConfig, shim: bool):
+    """`fit`'s callbacks. With `config.checkpoint_dir`, a
+    `tf2sync.SyncCheckpoint`: `fit` restores its newest save and starts
+    where that save was, inside an epoch too."""
     import tf2sync
 
     batch = config.batch_size
@@ -478,13 +473,14 @@ def _callbacks(model, config: ChiefConfig, shim: bool):
                 batch_size=batch, verbose=config.verbose_sync_metrics
             )
         )
-    initial_epoch = 0
     if config.checkpoint_dir:
-        saver = checkpointing.EpochCheckpoint(
-            config.checkpoint_dir, model, model.optimizer
+        callbacks.append(
+            tf2sync.SyncCheckpoint(
+                config.checkpoint_dir,
+                every_steps=config.checkpoint_every_steps,
+                every_seconds=config.checkpoint_every_s,
+            )
         )
-        initial_epoch = saver.restore_latest()
-        callbacks.append(saver)
     if config.model_log_dir:
         callbacks.append(tf.keras.callbacks.TensorBoard(config.model_log_dir))
-    return callbacks, initial_epoch
+    return callbacks

@@ -209,6 +209,39 @@ def _listening_key(address: str) -> tuple:
     return host, int(port)
 
 
+def check_checkpoint_every(every_s, every_steps, directory) -> None:
+    """Refuses --checkpoint_every_s that is not a finite number > 0, and
+    either cadence without --checkpoint_dir (nowhere to save)."""
+    if every_s is not None and not 0 < every_s < math.inf:
+        _refuse(
+            f"--checkpoint_every_s={every_s!r}: must be a finite number > 0."
+        )
+    for name, value in (
+        ("checkpoint_every_s", every_s),
+        ("checkpoint_every_steps", every_steps),
+    ):
+        if value is not None and not directory:
+            _refuse(
+                f"--{name}={value:g}: needs --checkpoint_dir (where to save)."
+            )
+
+
+def check_resume(build_model, directory, epochs, evaluator) -> None:
+    """Refuses a --checkpoint_dir whose newest checkpoint another model
+    saved, or (for the chief) one with no epoch left to train."""
+    if not directory:
+        return
+    from tf2sync._src import checkpointing  # imports TensorFlow
+
+    try:
+        checkpointing.check_model_fits(build_model, directory)
+    except ValueError as e:
+        _refuse(f"--checkpoint_dir={directory}: {e}")
+    if not evaluator:
+        latest, done = checkpointing.latest_epoch(directory)
+        check_epochs_left(directory, latest, done, epochs)
+
+
 def check_epochs_left(
     directory: str, latest: str | None, done: int, epochs: int
 ) -> None:

@@ -175,13 +175,28 @@ CONNECT_TIMEOUT = flags.DEFINE_float(
 CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir",
     None,
-    "Chief: save model and optimizer after every epoch and resume from the "
-    "latest on restart (created if missing). Refused at once (exit code 2) "
+    "Chief: save model and optimizer after every epoch (and as "
+    "--checkpoint_every_steps and --checkpoint_every_s say) and resume from "
+    "the latest on restart, inside an epoch too (created if missing). "
+    "Refused at once (exit code 2) "
     "if it is a file or not writable, if its latest checkpoint is of "
     "another model, or if that checkpoint finished more epochs than "
     "--epochs (nothing to train); one that finished exactly --epochs "
     "trains nothing and evaluates the model. Evaluator: the checkpoints to "
     "evaluate.",
+)
+CHECKPOINT_EVERY_STEPS = flags.DEFINE_integer(
+    "checkpoint_every_steps",
+    None,
+    "Chief: also save after every this many steps of an epoch (steps as "
+    "--steps_per_epoch counts them), so that a restart redoes at most that "
+    "many; each save waits for the steps under way (needs --checkpoint_dir).",
+)
+CHECKPOINT_EVERY_S = flags.DEFINE_float(
+    "checkpoint_every_s",
+    None,
+    "Chief: also save when this many seconds passed since the last save "
+    "(checked after each scheduled function; needs --checkpoint_dir).",
 )
 MODEL_LOG_DIR = flags.DEFINE_string(
     "model_log_dir",

@@ -121,8 +121,14 @@ def check_input():
                 launch_flags.STEPS_PER_EPOCH,
                 launch_flags.STEPS_PER_EXECUTION,
                 launch_flags.MAX_EVALUATIONS,
+                launch_flags.CHECKPOINT_EVERY_STEPS,
             )
         }
+    )
+    flag_checks.check_checkpoint_every(
+        launch_flags.CHECKPOINT_EVERY_S.value,
+        launch_flags.CHECKPOINT_EVERY_STEPS.value,
+        launch_flags.CHECKPOINT_DIR.value,
     )
     flag_checks.check_non_negative(
         {
@@ -195,21 +201,9 @@ def check_input():
             "see tf2sync/_src/jobs/digits.py).",
             exitcode=2,
         )
-    if not directory:
-        return
-    from tf2sync._src import checkpointing
-
-    try:
-        checkpointing.check_model_fits(job.build_model, directory)
-    except ValueError as e:
-        raise app.UsageError(
-            f"--checkpoint_dir={directory}: {e}", exitcode=2
-        ) from None
-    if not evaluator:
-        latest, done = checkpointing.latest_epoch(directory)
-        flag_checks.check_epochs_left(
-            directory, latest, done, launch_flags.EPOCHS.value
-        )
+    flag_checks.check_resume(
+        job.build_model, directory, launch_flags.EPOCHS.value, evaluator
+    )
 
 
 def _check_local_gpus():
@@ -452,6 +446,8 @@ def chief_config():
         token_timeout=launch_flags.TOKEN_TIMEOUT.value or None,
         worker_timeout=launch_flags.WORKER_TIMEOUT.value or None,
         checkpoint_dir=launch_flags.CHECKPOINT_DIR.value,
+        checkpoint_every_steps=launch_flags.CHECKPOINT_EVERY_STEPS.value,
+        checkpoint_every_s=launch_flags.CHECKPOINT_EVERY_S.value,
         model_log_dir=launch_flags.MODEL_LOG_DIR.value,
         verbose_sync_metrics=launch_flags.VERBOSE_SYNC_METRICS.value,
         ps_restart_timeout=launch_flags.PS_RESTART_TIMEOUT.value,

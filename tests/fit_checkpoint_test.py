@@ -1,0 +1,164 @@
+"""`tf2sync.SyncCheckpoint`: saves inside epochs, and `fit` resumes there."""
+
+import os
+import shutil
+import tempfile
+
+import tensorflow as tf
+import testutil
+from absl.testing import absltest
+from absl.testing import parameterized
+
+import tf2sync
+from tf2sync._src import checkpointing
+
+_STEPS = 8  # per epoch
+_UPDATES = _STEPS  # in 2 epochs of 2 workers' pushes, 2 a step
+
+
+def _saves(directory):
+    state = tf.train.get_checkpoint_state(directory)
+    return [os.path.basename(p) for p in state.all_model_checkpoint_paths]
+
+
+class _Steps(tf.keras.callbacks.Callback):
+    """Records `(epoch, last step of the call)` of every scheduled call,
+    and the cap of updates (`plan_updates`) it ran under."""
+
+    def __init__(self):
+        super().__init__()
+        self._supports_tf_logs = True
+        self.calls = []
+        self.limits = []
+        self.epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append((self.epoch, batch))
+        limit = self.model.optimizer._aggregator.step_limit
+        self.limits.append(int(limit.numpy()))
+
+
+class ArgumentsTest(parameterized.TestCase):
+    @parameterized.parameters(
+        ("every_steps", 0),
+        ("every_steps", -3),
+        ("every_steps", 2.5),
+        ("every_steps", True),
+        ("every_seconds", 0),
+        ("every_seconds", float("nan")),
+        ("every_seconds", float("inf")),
+        ("every_seconds", "30"),
+        ("max_to_keep", 0),
+    )
+    def test_bad_arguments_are_refused_in_one_line(self, name, value):
+        with self.assertRaisesRegex(
+            ValueError, f"^`{name}` must be .* Received: {name}="
+        ):
+            tf2sync.SyncCheckpoint("/tmp/unused", **{name: value})
+
+    def test_position_of_a_save(self):
+        self.assertEqual(checkpointing.position_of("/d/ckpt-3"), (3, 0))
+        self.assertEqual(checkpointing.position_of("/d/ckpt-3_120"), (3, 120))
+        self.assertEqual(checkpointing.latest_epoch("/nonexistent"), (None, 0))
+
+
+class ResumeInsideAnEpochTest(absltest.TestCase):
+    """One cluster per process: both runs share it (see testutil)."""
+
+    def _fit(self, strategy, initial, directory, **kwargs):
+        with strategy.scope():
+            model = testutil.dense_model()
+            model.set_weights(initial)
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(
+                    tf.keras.optimizers.SGD(0.05, momentum=0.9)
+                ),
+                loss="mse",
+                steps_per_execution=2,
+            )
+        x, y = testutil.data("dense", 16)
+        data = tf.data.Dataset.from_tensors((x, y)).repeat()
+        steps = _Steps()
+        saver = tf2sync.SyncCheckpoint(directory, max_to_keep=10, **kwargs)
+        model.fit(
+            data,
+            epochs=2,
+            steps_per_epoch=_STEPS,
+            # SyncMetrics' epoch line took the batch hooks' logs for dicts.
+            callbacks=[saver, steps, tf2sync.SyncMetrics()],
+            verbose=2,
+        )
+        return model, steps
+
+    def test_a_run_resumed_inside_an_epoch_ends_as_the_whole_run(self):
+        # One batch repeated: each update is the mean of two equal
+        # gradients, whichever workers push them; every 2 steps (pushes)
+        # one update.
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            initial = testutil.dense_model().get_weights()
+        whole_dir = tempfile.mkdtemp()
+        whole, steps = self._fit(strategy, initial, whole_dir, every_steps=4)
+        self.assertEqual(
+            _saves(whole_dir),
+            ["ckpt-0_4", "ckpt-1", "ckpt-1_4", "ckpt-2"],
+        )
+        self.assertEqual(
+            steps.calls,
+            [(0, 1), (0, 3), (0, 5), (0, 7), (1, 1), (1, 3), (1, 5), (1, 7)],
+        )
+        self.assertEqual(steps.limits, [_UPDATES // 2] * 4 + [_UPDATES] * 4)
+        step = whole.optimizer.iterations.numpy()
+        self.assertEqual(step, _UPDATES)
+        # The save inside epoch 1 holds 12 steps: 6 updates.
+        reader = tf.train.load_checkpoint(os.path.join(whole_dir, "ckpt-1_4"))
+        saved_steps = [
+            reader.get_tensor(k)
+            for k in reader.get_variable_to_shape_map()
+            if k.startswith("optimizer/inner_optimizer/_iterations/")
+        ]
+        self.assertEqual(saved_steps, [(_STEPS + 4) // 2])
+
+        # A restart after ckpt-1_4: only it is in the directory.
+        resumed_dir = tempfile.mkdtemp()
+        for name in tf.io.gfile.glob(os.path.join(whole_dir, "ckpt-1_4*")):
+            shutil.copy(name, resumed_dir)
+        tf.compat.v1.train.update_checkpoint_state(
+            resumed_dir, os.path.join(resumed_dir, "ckpt-1_4")
+        )
+        resumed, steps = self._fit(
+            strategy, initial, resumed_dir, every_steps=4
+        )
+        self.assertEqual(steps.calls, [(1, 5), (1, 7)])  # epoch 1's last 4
+        # Planned: the 4 steps left (not lifted, nor a whole epoch more).
+        self.assertEqual(steps.limits, [_UPDATES] * 2)
+        self.assertEqual(resumed.optimizer.iterations.numpy(), _UPDATES)
+        # Steps count from where the epoch resumed: no save at its step 6.
+        self.assertEqual(_saves(resumed_dir), ["ckpt-1_4", "ckpt-2"])
+        self.assertLess(
+            testutil.max_abs_diff(whole.get_weights(), resumed.get_weights()),
+            1e-6,
+        )
+        self.assertEqual(
+            resumed.optimizer._aggregator.totals()["over_plan_dropped"], 0
+        )
+
+    def test_saves_by_time_after_a_scheduled_function(self):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            initial = testutil.dense_model().get_weights()
+        directory = tempfile.mkdtemp()
+        self._fit(strategy, initial, directory, every_seconds=1e-6)
+        # After each call but an epoch's last (its end saves).
+        self.assertEqual(
+            _saves(directory),
+            ["ckpt-0_2", "ckpt-0_4", "ckpt-0_6", "ckpt-1"]
+            + ["ckpt-1_2", "ckpt-1_4", "ckpt-1_6", "ckpt-2"],
+        )
+
+
+if __name__ == "__main__":
+    absltest.main()
