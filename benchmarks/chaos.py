@@ -39,6 +39,7 @@ TF2SYNC_PROGRESS_FILE), and the final step and weights after its last join.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -47,7 +48,6 @@ import random
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,10 +61,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import fault_job  # noqa: E402
 import numpy as np  # noqa: E402
 import procutil  # noqa: E402
+import tables  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from tf2sync._src import cluster as cluster_lib  # noqa: E402
+
+median = tables.median
 
 FAULTS = {
     "none": "no fault (baseline)",
@@ -104,16 +107,13 @@ _RESTART_DELAY = flags.DEFINE_float(
     "restart_delay", 5.0, "Seconds before a killed task is restarted."
 )
 _WORKER_TIMEOUT = flags.DEFINE_float(
-    "worker_timeout",
-    10.0,
-    "Passed to the chief as --worker_timeout, if the launcher has that flag.",
+    "worker_timeout", 10.0, "The chief's --worker_timeout, if it has one."
 )
 _NUM_PS = flags.DEFINE_integer(
     "num_ps",
     1,
     "Parameter servers. With 2 or more, fault_job's 4 variables sit round "
-    "robin on them (the scale-out protocol) and ps_kill kills a ps drawn "
-    "at random.",
+    "robin on them and ps_kill kills a ps drawn at random.",
 )
 _TOKEN_TIMEOUT = flags.DEFINE_float(
     "token_timeout", None, "Passed to the chief if set (else its default)."
@@ -125,9 +125,8 @@ _SEED = flags.DEFINE_integer("seed", None, "RNG seed (default: random).")
 _RESULTS = flags.DEFINE_string(
     "results",
     None,
-    "JSON file of runs: those already in it are kept, this invocation's "
-    "added, and the table made from all of them (one table from several "
-    "shorter invocations).",
+    "JSON file of runs: those in it kept, this invocation's added, and the "
+    "table made from all (one table from several shorter invocations).",
 )
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the table here.")
 _SHORT = flags.DEFINE_boolean(
@@ -161,41 +160,21 @@ class Outcome:
     note: str = ""
 
 
-def _child_kwargs(env):
-    """Popen's `env`, and what makes the child die with this process."""
-    make = getattr(procutil, "child_kwargs", None)  # tests/procutil.py
-    return make(env) if make else {"env": env}
-
-
-def _running(pid):
-    """Whether `pid` runs (a zombie does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state != "Z"
-
-
-def _is_tf2sync(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"tf2sync" in f.read()
-    except OSError:
-        return False
+_running = procutil.running
 
 
 def _kill_pids(pids):
-    """SIGKILLs each pid that still runs tf2sync; waits until gone."""
+    """SIGKILLs each PID that still runs tf2sync; waits until gone."""
+    mine = []
     for pid in pids:
-        if _running(pid) and _is_tf2sync(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + 30
-    while any(_running(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
+        with (
+            contextlib.suppress(OSError),
+            open(f"/proc/{pid}/cmdline", "rb") as f,
+        ):
+            mine += [pid] * (b"tf2sync" in f.read())
+    procutil.kill_pids(mine)
+    with contextlib.suppress(AssertionError):
+        procutil.wait_gone(pids, 30)
 
 
 class Progress:
@@ -335,7 +314,7 @@ class Run:
                     [sys.executable, "-m", "tf2sync", *self.chief_args()],
                     stdout=out,
                     stderr=err,
-                    **_child_kwargs(self.env),
+                    **procutil.child_kwargs(self.env),
                 )
             )
 
@@ -512,7 +491,7 @@ def _launcher_run(settings, rng):
             [sys.executable, "-m", "tf2sync", *args],
             stdout=out,
             stderr=err,
-            **_child_kwargs(env),
+            **procutil.child_kwargs(env),
         )
     try:
         target = _target(rng, rng.randint(1, epochs), per_epoch)
@@ -549,12 +528,10 @@ def run_fault(fault, settings, rng):
     return _cluster_run(fault, settings, rng)
 
 
-def _fmt(values, how):
+def _fmt(values, spec):
     if not values:
         return "n/a"
-    if how == "median_max":
-        return f"{statistics.median(values):.1f} / {max(values):.1f}"
-    return f"{statistics.median(values):g} / {max(values):g}"
+    return f"{format(median(values), spec)} / {format(max(values), spec)}"
 
 
 def table(outcomes):
@@ -568,44 +545,43 @@ def table(outcomes):
         num_ps = s.get("num_ps", 1)  # runs recorded before the flag: 1
         return text if num_ps == 1 else f"{text}, {num_ps} ps"
 
-    rows = []
     groups = {}
     for o in sorted(outcomes, key=lambda o: list(FAULTS).index(o.fault)):
         groups.setdefault((o.fault, name(o)), []).append(o)
+    rows = []
     for (fault, name), mine in groups.items():
-        done = [o for o in mine if o.completed]
         left = sum(len(o.left_behind) for o in mine)
+        seconds = f"{median(o.seconds for o in mine):.0f}"
         if fault == "launcher_kill":
-            rows.append(
-                f"| {name} | {len(mine)} | n/a | n/a | n/a | n/a | n/a | "
-                f"n/a | {left} | "
-                f"{statistics.median(o.seconds for o in mine):.0f} |"
-            )
+            rows.append([name, len(mine), *["n/a"] * 6, left, seconds])
             continue
+        done = [o for o in mine if o.completed]
         applied = [o for o in done if o.applied is not None]
-        twice = (
-            sum(bool(o.off_trajectory) for o in applied) if applied else "n/a"
-        )
-        over = [max(0, o.applied - o.planned) for o in applied]
-        lost = [max(0, o.planned - o.applied) for o in applied]
-        redone = [o.redone for o in mine]
-        stalls = [x for o in mine for x in o.stalls]
         rows.append(
-            f"| {name} | {len(mine)} | {len(done)} | {twice} | "
-            f"{_fmt(over, 'int')} | {_fmt(lost, 'int')} | "
-            f"{_fmt(redone, 'int')} | {_fmt(stalls, 'median_max')} | "
-            f"{left} | {statistics.median(o.seconds for o in mine):.0f} |"
+            [
+                name,
+                len(mine),
+                len(done),
+                sum(bool(o.off_trajectory) for o in applied)
+                if applied
+                else "n/a",
+                _fmt([max(0, o.applied - o.planned) for o in applied], "g"),
+                _fmt([max(0, o.planned - o.applied) for o in applied], "g"),
+                _fmt([o.redone for o in mine], "g"),
+                _fmt([x for o in mine for x in o.stalls], ".1f"),
+                left,
+                seconds,
+            ]
         )
-    return "\n".join(
-        [
-            "| fault | runs | completed | applied twice | updates over the "
-            "plan (median / max) | work lost, updates (median / max) | "
-            "updates redone (median / max) | seconds stalled (median / max) "
-            "| processes left behind | seconds per run (median) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-            *rows,
-        ]
-    )
+    header = ["fault", "runs", "completed", "applied twice"]
+    header += ["updates over the plan (median / max)"]
+    header += ["work lost, updates (median / max)"]
+    header += [
+        "updates redone (median / max)",
+        "seconds stalled (median / max)",
+    ]
+    header += ["processes left behind", "seconds per run (median)"]
+    return "\n".join(tables.table(header, rows))
 
 
 def _settings():

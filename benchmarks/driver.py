@@ -41,12 +41,10 @@ SCENARIOS = (
     "sharding",
     "startup",
 )
-# The harness's default: all but `sharding` (w4's 2 x 512 MB of tables and
-# momentum on 2 ps; about 4 min more on 2 cores: --scenarios=...,sharding)
-# and `startup` (24 fresh processes, about 6 min: --scenarios=startup).
-DEFAULT_SCENARIOS = tuple(
-    s for s in SCENARIOS if s not in ("sharding", "startup")
-)
+# The default: all but `sharding` (w4's 2 x 512 MB of tables and momentum
+# on 2 ps, ~4 min more on 2 cores) and `startup` (30 fresh processes, ~6
+# min).
+DEFAULT_SCENARIOS = SCENARIOS[:-2]
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # A baseline tree's own worker (--baseline_tree): it imports that tree's
 # tf2sync and its own benchmarks/ modules, and speaks the same protocol.
@@ -61,7 +59,7 @@ class Sink:
         self.records = []
         open(path, "w").close()
 
-    def write(self, record: dict) -> None:
+    def write(self, record):
         self.records.append(record)
         line = json.dumps(record)
         print(line, flush=True)
@@ -94,37 +92,26 @@ class Endpoint:
         return [child.receive(timeout) for child in self.children]
 
     def setup(self, timeout):
-        args = dict(self.setup_args)
-        if self.kind == "pss":
-            args["key"] = self.name
-        return self._all("setup", timeout, **args)[0]
+        key = {"key": self.name} if self.kind == "pss" else {}
+        return self._all("setup", timeout, **self.setup_args, **key)[0]
 
     def run(self, functions, k, timeout, window=False):
+        per_worker = max(1, functions // self.workers)
         if self.kind == "pss":
             if self.name.startswith("local"):
-                functions = max(1, functions // self.workers)
-            return self._all(
-                "run",
-                timeout,
-                key=self.name,
-                functions=functions,
-                window=window,
-            )[0]
+                functions = per_worker
+            args = {"key": self.name, "functions": functions, "window": window}
+            return self._all("run", timeout, **args)[0]
         if self.kind == "tf1":
             steps = max(1, functions * k // self.workers)
             return self._all("run", timeout, steps=steps)[0]
-        results = self._all(
-            "run", timeout, functions=max(1, functions // self.workers)
-        )
-        result = dict(results[0])
-        result["seconds"] = max(r["seconds"] for r in results)
-        result["examples_per_sec"] = round(
-            result["examples"] / result["seconds"], 1
-        )
-        return result
+        results = self._all("run", timeout, functions=per_worker)
+        seconds = max(r["seconds"] for r in results)
+        rate = round(results[0]["examples"] / seconds, 1)
+        return {**results[0], "seconds": seconds, "examples_per_sec": rate}
 
 
-def balanced_order(count: int, round_index: int) -> list[int]:
+def balanced_order(count, round_index):
     """The order of `count` systems in round `round_index`.
 
     A Williams design: over `count` rounds (`2 * count` where `count` is
@@ -132,11 +119,9 @@ def balanced_order(count: int, round_index: int) -> list[int]:
     system can leave work running when its run returns (the harness
     charges every child's CPU to the run in progress); a rotation of one
     order (A B C, B C A, ...) always put the same system before another,
-    and an identical tree measured 0.962 x itself in such runs
-    (docs/benchmarks.md).
+    and an identical tree measured 0.962 x itself in such runs.
     """
-    first = [0]
-    low, high = 1, count - 1
+    first, low, high = [0], 1, count - 1
     while len(first) < count:
         if len(first) % 2:
             first.append(low)
@@ -144,8 +129,7 @@ def balanced_order(count: int, round_index: int) -> list[int]:
         else:
             first.append(high)
             high -= 1
-    rounds = count if count % 2 == 0 else 2 * count
-    shift = round_index % rounds
+    shift = round_index % (count if count % 2 == 0 else 2 * count)
     order = [(i + shift) % count for i in first]
     return order[::-1] if shift >= count else order
 
@@ -158,146 +142,105 @@ class Bench:
         self.registry = registry
         self.sink = sink
 
-    # -- subprocesses -----------------------------------------------------
-
-    def _start(self, name, argv, env=None, protocol=True, tree=None):
+    def start(self, name, argv, env=None, protocol=True, tree=None):
         child = self.registry.start(name, argv, env=env, protocol=protocol)
         where = {"tree": tree} if tree else {}
         self.sink.write({"event": "started", **child.record(), **where})
         return child
 
-    def _python(self, script, *args):
+    def python(self, script, *args):
         return [sys.executable, os.path.join(_HERE, script), *args]
 
     def start_pss(
-        self,
-        name,
-        workers,
-        local_workers=2,
-        cluster_spec=None,
-        optimizer=None,
-        tree=None,
-        ps=1,
+        self, name, workers, local_workers=2, cluster_spec=None, **options
     ):
-        """A pss_worker.py child; from the checkout `tree` if given (its own
-        script, with PYTHONPATH=tree so that it imports that tree's
-        tf2sync), else from this one."""
+        """A pss_worker.py child (options: `optimizer`, `ps`, and `tree`,
+        a checkout whose own worker runs with PYTHONPATH=tree, so that it
+        imports that tree's tf2sync)."""
         args = [
             f"--workers={workers}",
             f"--local_workers={local_workers}",
-            f"--optimizer={optimizer or self.s.optimizer}",
+            f"--optimizer={options.get('optimizer') or self.s.optimizer}",
         ]
-        if ps != 1:
-            args.append(f"--ps={ps}")
+        if options.get("ps", 1) != 1:
+            args.append(f"--ps={options['ps']}")
         if cluster_spec:
             args.append("--cluster_spec=" + json.dumps(cluster_spec))
+        tree = options.get("tree")
         if tree is None:
-            return self._start(name, self._python("pss_worker.py", *args))
-        path = os.environ.get("PYTHONPATH")
-        env = {"PYTHONPATH": os.pathsep.join([tree] + ([path] if path else []))}
+            return self.start(name, self.python("pss_worker.py", *args))
+        path = [tree] + [os.environ["PYTHONPATH"]] * (
+            "PYTHONPATH" in os.environ
+        )
         argv = [sys.executable, os.path.join(tree, BASELINE_WORKER), *args]
-        return self._start(name, argv, env=env, tree=tree)
+        env = {"PYTHONPATH": os.pathsep.join(path)}
+        return self.start(name, argv, env=env, tree=tree)
 
     def start_tf1(self, workload, workers, ps=1, shards=1, name=None):
-        return self._start(
-            name or f"tf1_sync_{workload}",
-            self._python(
-                "tf1_sync_worker.py",
-                f"--workers={workers}",
-                f"--workload={workload}",
-                f"--ps={ps}",
-                f"--shards={shards}",
-            ),
-        )
+        args = [f"--workers={workers}", f"--workload={workload}"]
+        args += [f"--ps={ps}", f"--shards={shards}"]
+        argv = self.python("tf1_sync_worker.py", *args)
+        return self.start(name or f"tf1_sync_{workload}", argv)
 
     def start_mwms(self, workload, workers, tag=""):
         ports = procs.pick_free_ports(workers)
         cluster = {"worker": [f"{procs.LOOPBACK}:{p}" for p in ports]}
-        return [
-            self._start(
-                f"mwms_{workload}{tag}_{i}",
-                self._python(
-                    "mwms_worker.py",
-                    f"--workload={workload}",
-                    f"--optimizer={self.s.optimizer}",
-                ),
-                env={
-                    "TF_CONFIG": json.dumps(
-                        {
-                            "cluster": cluster,
-                            "task": {"type": "worker", "index": i},
-                        }
-                    ),
-                    **self.worker_device_env(i),
-                },
-            )
-            for i in range(workers)
-        ]
+        children = []
+        for i in range(workers):
+            task = {"cluster": cluster, "task": {"type": "worker", "index": i}}
+            env = {"TF_CONFIG": json.dumps(task), **self.worker_device_env(i)}
+            args = [f"--workload={workload}", f"--optimizer={self.s.optimizer}"]
+            argv = self.python("mwms_worker.py", *args)
+            children.append(self.start(f"mwms_{workload}{tag}_{i}", argv, env))
+        return children
 
     def start_tasks(self, name, workers, env=None, ps=1):
         """ps and worker tasks (`python -m tf2sync`), and their spec (the ps
         tasks first in the list returned)."""
-        ports = procs.pick_free_ports(workers + 1 + ps)
-        addresses = [f"{procs.LOOPBACK}:{p}" for p in ports]
-        spec = {
-            "chief": addresses[:1],
-            "worker": addresses[1 : 1 + workers],
-            "ps": addresses[1 + workers :],
-        }
+        spec = procs.library("cluster").cluster_spec_dict(workers, ps)
         hosts = [
             "--ps_hosts=" + ",".join(spec["ps"]),
             "--worker_hosts=" + ",".join(spec["worker"]),
             "--chief_host=" + spec["chief"][0],
         ]
-        tasks = [
-            self._start(
-                f"{name}_{job}{i}",
-                self._python(
-                    "procs.py",
-                    "tf2sync",
-                    f"--job_name={job}",
-                    f"--task_index={i}",
-                    *hosts,
-                ),
-                env={
+        tasks = []
+        for job, count in (("ps", ps), ("worker", workers)):
+            for i in range(count):
+                devices = self.worker_device_env(i) if job == "worker" else {}
+                task_env = {
                     "CUDA_VISIBLE_DEVICES": "",
-                    **(self.worker_device_env(i) if job == "worker" else {}),
+                    **devices,
                     **(env or {}),
-                },
-                protocol=False,
-            )
-            for job, count in (("ps", ps), ("worker", workers))
-            for i in range(count)
-        ]
+                }
+                args = [f"--job_name={job}", f"--task_index={i}", *hosts]
+                argv = [sys.executable, "-m", "tf2sync", *args]
+                child = self.start(
+                    f"{name}_{job}{i}", argv, task_env, protocol=False
+                )
+                tasks.append(child)
         return spec, tasks
 
     def worker_device_env(self, index):
-        """Worker `index`'s device environment: CPU only, or with
-        `--worker_gpus` its GPUs (shared modulo the machine's count, each
-        process growing its memory)."""
+        """Worker `index`'s devices: CPU only or, with `--worker_gpus`, its
+        GPUs as the launcher plans them (`local_tasks.gpu_plan`: shared
+        modulo the machine's count, each process growing its memory)."""
         per_worker = getattr(self.s, "worker_gpus", 0)
         if not per_worker:
             return {"CUDA_VISIBLE_DEVICES": ""}
         count = int(os.environ.get("TF2SYNC_BENCH_GPUS", "1"))
+        plan = procs.library("launcher.local_tasks").gpu_plan
+        visible = plan(index + 1, per_worker, count)[0][index]
         return {
-            "CUDA_VISIBLE_DEVICES": ",".join(
-                str((index * per_worker + i) % count) for i in range(per_worker)
-            ),
+            "CUDA_VISIBLE_DEVICES": visible,
             "TF_FORCE_GPU_ALLOW_GROWTH": "true",
         }
 
-    # -- driving ----------------------------------------------------------
-
     def fail(self, endpoints, endpoint, error, base):
-        """Records `error` for `endpoint`.
-
-        A fatal error (no answer; or any error of a multi-process system,
-        whose peers may wait forever) also ends its subprocesses and fails
-        every system on them.
-        """
+        """Records `error` for `endpoint`. A fatal error (no answer; or any
+        error of a multi-process system, whose peers may wait forever) also
+        ends its subprocesses and fails every system on them."""
         failing = [endpoint]
-        fatal = getattr(error, "fatal", True) or len(endpoint.children) > 1
-        if fatal:
+        if getattr(error, "fatal", True) or len(endpoint.children) > 1:
             self.registry.stop(endpoint.children)
             failing += [
                 e
@@ -356,10 +299,9 @@ class Bench:
         """Runs the repeats, each round in `balanced_order`; one record per
         run, its `repeat` counted from `first_repeat` (a later cluster
         build goes on with the next rounds' orders)."""
-        for index in range(self.s.repeats):
-            repeat = first_repeat + index
-            order = balanced_order(len(endpoints), repeat)
-            for endpoint in (endpoints[i] for i in order):
+        for repeat in range(first_repeat, first_repeat + self.s.repeats):
+            for i in balanced_order(len(endpoints), repeat):
+                endpoint = endpoints[i]
                 if endpoint.failed:
                     continue
                 cpu = self.registry.cpu_seconds()
@@ -370,6 +312,7 @@ class Bench:
                 except procs.ChildError as e:
                     self.fail(endpoints, endpoint, e, base)
                     continue
+                cpu = self.registry.cpu_seconds() - cpu
                 self.sink.write(
                     {
                         **base,
@@ -377,17 +320,20 @@ class Bench:
                         "repeat": repeat,
                         **extra.get(endpoint.name, {}),
                         **result,
-                        **_cpu_per_example(
-                            self.registry.cpu_seconds() - cpu, result
-                        ),
+                        **_cpu_per_example(cpu, result),
                     }
                 )
 
-    def close(self, endpoints):
-        self.registry.stop({c for e in endpoints for c in e.children})
+    def run_all(self, endpoints, functions, base, extra, **options):
+        """`setup`, then `interleave`; ends the endpoints' processes."""
+        try:
+            self.setup(endpoints, base, options.pop("setup_extra", None))
+            self.interleave(endpoints, functions, base, extra, **options)
+        finally:
+            self.registry.stop({c for e in endpoints for c in e.children})
 
 
-def _cpu_per_example(cpu_s, result) -> dict:
+def _cpu_per_example(cpu_s, result):
     """The run's CPU seconds (all the harness's processes, one system
     running at a time) and CPU microseconds per example (of every example
     the run trained: `cpu_examples` where it timed only some)."""

@@ -1,16 +1,11 @@
 """Benchmark subprocess: one worker of MultiWorkerMirroredStrategy.
 
 What a TF2 user runs instead of parameter servers: synchronous all-reduce
-(`tf.distribute.MultiWorkerMirroredStrategy`, CPU ring collectives over
-gRPC), one process per worker, `TF_CONFIG` set by the harness (127.0.0.1
-ports). The custom loop runs K steps per `tf.function`, per-replica batch
-B (global batch N x B). Every worker gets the same commands at the same
-time (see `procs.serve`):
-
-* `setup(k)` builds the model and runs warm-up functions;
-* `run(functions)` times `functions` functions.
-
-Started by benchmarks/harness.py, not by hand.
+(CPU ring collectives over gRPC), one process per worker, `TF_CONFIG` set
+by the harness. The custom loop runs K steps per `tf.function`, global
+batch N x B. Every worker gets the same commands at the same time (see
+`procs.serve`): `setup(k)` builds the model and warms up, `run(functions)`
+times `functions` functions. Started by benchmarks/harness.py.
 """
 
 from __future__ import annotations
@@ -22,9 +17,6 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import procs  # noqa: E402
-
-procs.die_with_parent()
-
 import systems  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import workloads  # noqa: E402
@@ -86,12 +78,7 @@ class _Server:
         seconds = time.perf_counter() - start
         steps = functions * self.k
         examples = steps * self.batch * self.strategy.num_replicas_in_sync
-        return {
-            "examples": examples,
-            "seconds": round(seconds, 4),
-            "examples_per_sec": round(examples / seconds, 1),
-            "steps": steps,
-        }
+        return systems.result(examples, seconds, steps=steps)
 
 
 def main(argv):

@@ -42,6 +42,7 @@ import time
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import tables  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
@@ -76,13 +77,11 @@ def cells(workloads, ps):
 
 def child(ps):
     """Measures every cell at `ps` ps; prints one JSON line per result."""
+    import systems
     import tensorflow as tf
 
     import tf2sync
     from tf2sync._src.sync import hold_time
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import systems
 
     hold_time.enable()
     resolver = tf2sync.testing.local_cluster(WORKERS, ps)
@@ -155,7 +154,6 @@ def child(ps):
 def tf1_rows(ps):
     """TF1 sync's row for each cell at `ps` ps (graph mode: a process of
     its own per cell, ended by PID)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import procs
 
     rows = []
@@ -213,34 +211,37 @@ def table(rows) -> str:
     by = {
         (r["workload"], r["placement"], r["system"], r["ps"]): r for r in rows
     }
-    lines = [
-        "| workload | placement | system | ps | ex/s | / stock | / TF1 "
-        "| / own 1 ps | push hold us | finalize hold us | set-up s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+
+    def versus(rate, other):
+        return tables.fmt(
+            tables.ratio(rate, (other or {}).get("examples_per_sec")), ".2f"
+        ).replace("n/a", "")
+
+    lines = []
     for r in sorted(
         rows,
         key=lambda r: (r["workload"], r["placement"], r["system"], r["ps"]),
     ):
         w, p, s, n = r["workload"], r["placement"], r["system"], r["ps"]
-        stock = by.get((w, p, "pss_async_unrolled", n))
-        tf1 = by.get((w, p, "tf1_sync", n))
-        one = by.get((w, "rr", s, 1))
         rate = r["examples_per_sec"]
         lines.append(
-            f"| {w} | {p} | {s} | {n} | {rate:.0f} "
-            f"| {_ratio(rate, stock)} | {_ratio(rate, tf1)} "
-            f"| {_ratio(rate, one)} "
-            f"| {r.get('push_hold_us', '')} | {r.get('finalize_hold_us', '')} "
-            f"| {r['setup_s']} |"
+            [
+                w,
+                p,
+                s,
+                n,
+                f"{rate:.0f}",
+                versus(rate, by.get((w, p, "pss_async_unrolled", n))),
+                versus(rate, by.get((w, p, "tf1_sync", n))),
+                versus(rate, by.get((w, "rr", s, 1))),
+                r.get("push_hold_us", ""),
+                r.get("finalize_hold_us", ""),
+                r["setup_s"],
+            ]
         )
-    return "\n".join(lines)
-
-
-def _ratio(rate, other):
-    if not other or not other["examples_per_sec"]:
-        return ""
-    return f"{rate / other['examples_per_sec']:.2f}"
+    header = ["workload", "placement", "system", "ps", "ex/s", "/ stock"]
+    header += ["/ TF1", "/ own 1 ps", "push hold us", "finalize hold us"]
+    return "\n".join(tables.table(header + ["set-up s"], lines))
 
 
 def plot(rows, path):

@@ -1,4 +1,4 @@
-"""The benchmark scenarios, each on subprocesses that `driver.Bench` starts.
+"""The throughput scenarios: each one's run, targets and report section.
 
 * `main`: each requested system on one workload, 2 workers + 1 ps (and,
   with --baseline_tree, each tf2sync system also from that tree, as
@@ -8,116 +8,139 @@
 * `scaling`: the step cost of tf2sync's custom loop with 1..4 workers (w1).
 * `model_size`: tf2sync's custom loop and stock PSS on w1 with 64..4096
   hidden units, 2 workers.
-* `memory`: the RSS of a ps running as its own process (w3), 1..4 workers.
 * `accuracy`: time to a held-out accuracy on digits, tf2sync vs stock PSS.
-* `sharding`: w4 (a 2,000,000 x 32 embedding) partitioned over 2 ps:
-  tf2sync (`fit`, loop), stock PSS (loop, unrolled) and TF1's
-  `SyncReplicasOptimizer` (`fixed_size_partitioner`), each ps's state beside
-  the bytes of its shards; and tf2sync on w3 in 2 shards on 2 ps against w3
-  on 1 ps. Not in the default run (see `driver.DEFAULT_SCENARIOS`).
+
+A run writes records (`driver.Bench`); `*_targets(records)` and
+`*_section(records)` read them (blocks for `tables.lines`).
 """
 
 from __future__ import annotations
 
-import itertools
-import time
-
-import procs
 from driver import PSS_SYSTEMS
 from driver import Endpoint
-from sections import BASELINE
+from tables import errors
+from tables import fmt
+from tables import median
+from tables import rates
+from tables import ratio
+from tables import runs
+from tables import spread
+from tables import target
 
-MEMORY_FUNCTIONS = 10  # timed functions per memory cell (peaks show at once)
+WORKLOADS = ("w1", "w2", "w3")
+WORKLOAD_TEXT = {
+    "w1": "MLP 32-64-10, batch 32/worker",
+    "w2": "CNN on 32x32x3, batch 64/worker",
+    "w3": "Embedding 100,000 x 32 (20 ids), batch 128/worker",
+}
+SYSTEM_TEXT = {
+    "local": "one process, no distribution, global batch N x B",
+    "tf2sync_fit": "tf2sync, `model.fit`, steps_per_execution=K; each "
+    "function repeats the step in its graph (tf2sync's default: up to 10 "
+    "copies per loop iteration)",
+    "tf2sync_fit_keras_loop": "the same after "
+    "`tf2sync.unroll_fit_steps(model, False)`: tf_keras's `tf.range` loop",
+    "tf2sync_loop": "tf2sync, custom loop, K steps per scheduled function, "
+    "as `tf2sync.Trainer` runs them by default: the step repeated in the "
+    "graph, up to 10 copies per loop iteration",
+    "tf2sync_loop_while": "the same in a `tf.while_loop` of single steps "
+    "(`tf2sync.Trainer(use_tf_while_loop=True)`, Orbit's loop)",
+    "pss_async": "stock ParameterServerStrategy (async), custom loop in a "
+    "`tf.while_loop` (`tf.range`)",
+    "pss_async_unrolled": "stock ParameterServerStrategy (async), the "
+    "K steps repeated in the graph",
+    "pss_async_fit": "stock ParameterServerStrategy (async), `model.fit`",
+    "tf1_sync": "TF1 `SyncReplicasOptimizer`, graph mode, one "
+    "MonitoredTrainingSession per worker thread",
+    "mwms": "MultiWorkerMirroredStrategy, one process per worker",
+}
+# Issue 8's bars per workload: (baseline, custom loop at least, fit at
+# least). Each form of tf2sync's loop and fit is held to its kind's bar.
+MAIN_BARS = {
+    "w1": ("tf1_sync", 1.5, 1.0),
+    "w2": ("local", 0.95, 0.95),
+    "w3": ("tf1_sync", 1.0, 1.0),
+}
+MAIN_FORMS = (
+    ("tf2sync_loop", "tf2sync_fit"),  # the defaults
+    ("tf2sync_loop_while", "tf2sync_fit_keras_loop"),  # the opt-outs
+)
+# The suffix of a system run from --baseline_tree (`tf2sync_loop@baseline`)
+# and the share of the baseline's examples/s the current tree keeps at
+# least (the "Before and after" section's PASS).
+BASELINE = "@baseline"
+BASELINE_KEEP = 0.95
+STRAGGLER_KEEP = 0.9  # tf2sync with 1 backup: with / without, at least
+# Issue 21: tf2sync's `fit` reaches the digits target no later than stock
+# PSS's (seconds, medians), at the first rate and each at its best.
+ACCURACY_AT_MOST = 1.0
+ACCURACY_UNRECORDED_RATE = 0.05  # of runs recorded before the grid
 
 
 def scenario_main(bench, workload, workers=2):
-    """Each requested system on `workload`, 2 workers, interleaved; with
-    `--clusters=N`, N times over, each time on processes built anew."""
-    for cluster in range(bench.s.clusters):
-        _main_on_new_processes(bench, workload, workers, cluster)
-
-
-def _main_on_new_processes(bench, workload, workers, cluster):
-    """One build of the main scenario's processes and its repeats on them.
-
-    A system built once keeps its speed for every repeat on it (the same
-    two trees measured 0.84 x in one run and 1.02 x in the next), so the
-    `cluster`-th build's records carry `cluster` and continue the repeat
-    count, and the medians span every build."""
+    """Each requested system on `workload`, interleaved; with
+    `--clusters=N`, N times over, each time on processes built anew (a
+    system built once keeps its speed for every repeat on it: the same two
+    trees measured 0.84 x in one run and 1.02 x in the next), the later
+    builds' repeats counted on, the medians over all."""
     s = bench.s
-    base = {
-        "scenario": "main",
-        "workload": workload,
-        "workers": workers,
-        "steps_per_function": s.k,
-        "functions": s.functions[workload],
-    }
-    tag = ""
-    if s.clusters > 1:
-        base["cluster"] = cluster
-        tag = f"_c{cluster}" if cluster else ""
-    common = {"workload": workload, "k": s.k}
-    endpoints, extra = [], {}
-    pss = [x for x in s.systems if x in PSS_SYSTEMS]
-    if pss:
-        child = bench.start_pss(f"pss_{workload}{tag}", workers)
-        endpoints += [
-            Endpoint(x, "pss", [child], {"system": x, **common}, workers)
-            for x in pss
-        ]
-    compared = [x for x in pss if x.startswith("tf2sync")]
-    if s.baseline_tree and compared:
-        # The baseline tree's tf2sync systems, on a cluster of their own
-        # (one version per process), in the same rounds as the current.
-        child = bench.start_pss(
-            f"pss_{workload}_baseline{tag}", workers, tree=s.baseline_tree
-        )
-        for x in compared:
-            name = x + BASELINE
+    for cluster in range(s.clusters):
+        base = {
+            "scenario": "main",
+            "workload": workload,
+            "workers": workers,
+            "steps_per_function": s.k,
+            "functions": s.functions[workload],
+        }
+        tag = ""
+        if s.clusters > 1:
+            base["cluster"] = cluster
+            tag = f"_c{cluster}" if cluster else ""
+        common = {"workload": workload, "k": s.k}
+
+        def pss(name, child, system, common=common):
+            args = {"system": system, **common}
+            return Endpoint(name, "pss", [child], args, workers)
+
+        endpoints, extra = [], {}
+        chosen = [x for x in s.systems if x in PSS_SYSTEMS]
+        if chosen:
+            child = bench.start_pss(f"pss_{workload}{tag}", workers)
+            endpoints += [pss(x, child, x) for x in chosen]
+        compared = [x for x in chosen if x.startswith("tf2sync")]
+        if s.baseline_tree and compared:
+            # The baseline tree's tf2sync systems, on a cluster of their
+            # own (one version per process), in the same rounds.
+            name = f"pss_{workload}_baseline{tag}"
+            child = bench.start_pss(name, workers, tree=s.baseline_tree)
+            for x in compared:
+                endpoints.append(pss(x + BASELINE, child, x))
+                extra[x + BASELINE] = {"baseline_of": x}
+        if "local" in s.systems:
+            name = f"local_{workload}{tag}"
+            child = bench.start_pss(name, 0, local_workers=workers)
+            endpoints.append(pss("local", child, "local"))
+        if "tf1_sync" in s.systems:
+            name = f"tf1_sync_{workload}{tag}"
+            child = bench.start_tf1(workload, workers, name=name)
+            args = {"steps": 2 * s.k}
             endpoints.append(
-                Endpoint(name, "pss", [child], {"system": x, **common}, workers)
+                Endpoint("tf1_sync", "tf1", [child], args, workers)
             )
-            extra[name] = {"baseline_of": x}
-    if "local" in s.systems:
-        child = bench.start_pss(
-            f"local_{workload}{tag}", 0, local_workers=workers
-        )
-        endpoints.append(
-            Endpoint(
-                "local", "pss", [child], {"system": "local", **common}, workers
+        if "mwms" in s.systems:
+            children = bench.start_mwms(workload, workers, tag=tag)
+            args = {"k": s.k}
+            endpoints.append(Endpoint("mwms", "mwms", children, args, workers))
+        # Each baseline beside its current system in the first round.
+        endpoints.sort(
+            key=lambda e: (
+                s.systems.index(e.name.removesuffix(BASELINE)),
+                e.name.endswith(BASELINE),
             )
         )
-    if "tf1_sync" in s.systems:
-        child = bench.start_tf1(
-            workload, workers, name=f"tf1_sync_{workload}{tag}"
-        )
-        endpoints.append(
-            Endpoint("tf1_sync", "tf1", [child], {"steps": 2 * s.k}, workers)
-        )
-    if "mwms" in s.systems:
-        children = bench.start_mwms(workload, workers, tag=tag)
-        endpoints.append(
-            Endpoint("mwms", "mwms", children, {"k": s.k}, workers)
-        )
-    # Each baseline beside its current system (in the first round's order;
-    # `driver.balanced_order` varies it).
-    endpoints.sort(
-        key=lambda e: (
-            s.systems.index(e.name.removesuffix(BASELINE)),
-            e.name.endswith(BASELINE),
-        )
-    )
-    try:
-        bench.setup(endpoints, base)
-        bench.interleave(
-            endpoints,
-            s.functions[workload],
-            base,
-            extra,
-            first_repeat=cluster * s.repeats,
-        )
-    finally:
-        bench.close(endpoints)
+        first = cluster * s.repeats
+        functions = s.functions[workload]
+        bench.run_all(endpoints, functions, base, extra, first_repeat=first)
 
 
 def scenario_straggler(bench, workers=3):
@@ -132,13 +155,12 @@ def scenario_straggler(bench, workers=3):
         "functions": s.straggler_functions,
     }
     child = bench.start_pss("pss_straggler", workers)
-    cells = [
+    endpoints, extra = [], {}
+    for label, system, rta, total in (
         ("tf2sync_b0", "tf2sync_loop", workers, workers),
         ("tf2sync_b1", "tf2sync_loop", workers - 1, workers),
         ("pss_async", "pss_async", None, None),
-    ]
-    endpoints, extra = [], {}
-    for label, system, rta, total in cells:
+    ):
         for straggler in (False, True):
             name = label + ("_straggler" if straggler else "")
             factor = s.straggler_factor if straggler else 0.0
@@ -151,13 +173,8 @@ def scenario_straggler(bench, workers=3):
                 "replicas_to_aggregate": rta,
                 "total_num_replicas": total,
             }
-    try:
-        bench.setup(endpoints, base)
-        bench.interleave(
-            endpoints, s.straggler_functions, base, extra, window=True
-        )
-    finally:
-        bench.close(endpoints)
+    functions = s.straggler_functions
+    bench.run_all(endpoints, functions, base, extra, window=True)
 
 
 def scenario_scaling(bench, workload="w1"):
@@ -176,11 +193,7 @@ def scenario_scaling(bench, workload="w1"):
         args = {"system": "tf2sync_loop", "workload": workload, "k": s.k}
         endpoints.append(Endpoint(name, "pss", [child], args, n))
         extra[name] = {"config": "tf2sync_loop", "workers": n}
-    try:
-        bench.setup(endpoints, base)
-        bench.interleave(endpoints, s.functions[workload], base, extra)
-    finally:
-        bench.close(endpoints)
+    bench.run_all(endpoints, s.functions[workload], base, extra)
 
 
 def scenario_model_size(bench, workers=2):
@@ -204,130 +217,15 @@ def scenario_model_size(bench, workers=2):
                 "config": system,
                 "workload": workload,
                 "width": width,
-                # 32 -> width relu -> 10 (workloads.py; this process does
-                # not import TensorFlow).
+                # 32 -> width relu -> 10 (workloads.py, not imported here).
                 "parameters": 32 * width + width + width * 10 + 10,
             }
-    try:
-        bench.setup(endpoints, base)
-        bench.interleave(endpoints, s.functions["w1"], base, extra)
-    finally:
-        bench.close(endpoints)
-
-
-# So that the ps's RSS follows what it holds and a transient buffer shows in
-# its peak: TF's plain CPU allocator (oneDNN's caches freed buffers in a BFC
-# pool), and glibc mmaps allocations from 128 kB up and unmaps them when
-# freed (by default, freed buffers stay in the heap).
-_MEMORY_ENV = {
-    "TF_ENABLE_ONEDNN_OPTS": "0",
-    "MALLOC_MMAP_THRESHOLD_": "131072",
-    "MALLOC_TRIM_THRESHOLD_": "131072",
-    "MALLOC_ARENA_MAX": "2",
-}
-
-
-def scenario_memory(bench, workload="w3"):
-    """RSS of a subprocess ps on w3, tf2sync with 1..4 workers.
-
-    Then stock PSS with the same optimizer, in both function forms, with
-    the fewest and the most workers (the references), and two controls:
-    tf2sync with an embedding 4 x as large (`w3_x4`: what of the growth
-    per worker comes with the table), and a ps that does hold dense
-    per-step buffers of the embedding's size: stock PSS with
-    `tf.keras.optimizers.SGD`, whose momentum rewrites the whole table
-    every step.
-
-    Every cell is measured `memory_repeats` times on a fresh cluster, the
-    cells interleaved (all once, then all again): one reading of a cell
-    moved by up to 6 MB between runs, as much as a target's margin.
-    """
-    s = bench.s
-    fewest, most = min(s.memory_workers), max(s.memory_workers)
-    ends = sorted({fewest, most})
-    cells = [
-        ("tf2sync_loop", n, s.optimizer, workload) for n in s.memory_workers
-    ]
-    cells += [
-        (system, n, s.optimizer, workload)
-        for system in ("tf2sync_loop_while", "pss_async", "pss_async_unrolled")
-        for n in ends
-    ]
-    cells += [("tf2sync_loop", n, s.optimizer, "w3_x4") for n in ends]
-    cells.append(("pss_async", most, "keras", workload))
-    functions = min(s.functions[workload], MEMORY_FUNCTIONS)
-    for repeat, (system, n, kind, cell_workload) in itertools.product(
-        range(s.memory_repeats), cells
-    ):
-        base = {
-            "scenario": "memory",
-            "workload": cell_workload,
-            "workers": n,
-            "optimizer": kind,
-            "steps_per_function": s.k,
-            "functions": functions,
-            "repeat": repeat,
-        }
-        name = f"memory_{system}_{kind}_{cell_workload}_{n}w"
-        spec, tasks = bench.start_tasks(name, n, env=_MEMORY_ENV)
-        chief = bench.start_pss(name, n, cluster_spec=spec, optimizer=kind)
-        args = {"system": system, "workload": cell_workload, "k": s.k}
-        endpoint = Endpoint(system, "pss", [chief], args, n)
-        try:
-            _measure_memory(bench, endpoint, tasks[0].pid, base)
-        except (procs.ChildError, OSError) as e:
-            bench.fail([endpoint], endpoint, e, base)
-        finally:
-            bench.registry.stop([chief, *tasks])
-
-
-def _measure_memory(bench, endpoint, ps_pid, base):
-    s = bench.s
-    bench.wait_ready([endpoint], base)
-    if endpoint.failed:
-        return
-    idle = _settled(ps_pid)
-    bench.setup([endpoint], base)
-    if endpoint.failed:
-        return
-    state = procs.memory_kb(ps_pid)
-    reset = procs.reset_peak(ps_pid)
-    result = endpoint.run(base["functions"], s.k, s.timeout)
-    after = procs.memory_kb(ps_pid)
-    bench.sink.write(
-        {
-            **base,
-            "system": endpoint.name,
-            "ps_pid": ps_pid,
-            "rss_idle_kb": idle["VmRSS"],
-            "anon_idle_kb": idle.get("RssAnon"),
-            "rss_state_kb": state["VmRSS"],
-            "anon_state_kb": state.get("RssAnon"),
-            "hwm_run_kb": after["VmHWM"],
-            "rss_after_kb": after["VmRSS"],
-            "anon_after_kb": after.get("RssAnon"),
-            "peak_reset": reset,
-            **result,
-        }
-    )
-
-
-def _settled(pid, seconds=1.0, slack_kb=64, most=15.0):
-    """memory_kb(pid) once RssAnon has moved < slack_kb for `seconds`."""
-    deadline = time.monotonic() + most
-    last = procs.memory_kb(pid)
-    while time.monotonic() < deadline:
-        time.sleep(seconds)
-        now = procs.memory_kb(pid)
-        if abs(now.get("RssAnon", 0) - last.get("RssAnon", 0)) < slack_kb:
-            return now
-        last = now
-    return last
+    bench.run_all(endpoints, s.functions["w1"], base, extra)
 
 
 def scenario_accuracy(bench, workers=2):
-    """Time to accuracy on digits (accuracy.py), fresh models each repeat,
-    each system at each of the rates of `accuracy_learning_rates`."""
+    """Time to accuracy on digits (systems.AccuracyRunner), fresh models
+    each repeat, each system at each rate of `accuracy_learning_rates`."""
     s = bench.s
     base = {
         "scenario": "accuracy",
@@ -341,211 +239,447 @@ def scenario_accuracy(bench, workers=2):
     endpoints, extra = [], {}
     for rate in s.accuracy_learning_rates:
         for system in ("tf2sync_fit", "pss_async_fit"):
-            # The endpoint's name keys its runner on the child; the record
-            # names the system and the rate.
+            # The name keys its runner on the child; the record names the
+            # system and the rate.
             name = f"{system}_lr{rate:g}"
             args = {"system": system, "workload": "digits", "k": s.k}
             args.update(options, learning_rate=rate)
             endpoints.append(Endpoint(name, "pss", [child], args, workers))
             extra[name] = {"system": system, "learning_rate": rate}
-    try:
-        bench.setup(endpoints, base)
-        bench.interleave(endpoints, 0, base, extra)
-    finally:
-        bench.close(endpoints)
+    bench.run_all(endpoints, 0, base, extra)
 
 
-SHARDS = 2  # the sharding scenario's shards and ps tasks
-# The sharding scenario's timed cells, (system, workload kind, ps tasks).
-SHARDING_CELLS = (
-    # (system, workload, ps tasks, shards per variable)
-    ("tf2sync_fit", "w4", SHARDS, SHARDS),
-    ("tf2sync_loop", "w4", SHARDS, SHARDS),
-    ("pss_async", "w4", SHARDS, SHARDS),
-    ("pss_async_unrolled", "w4", SHARDS, SHARDS),
-    ("tf1_sync", "w4", SHARDS, SHARDS),
-    # w3 sharded on 2 ps and whole on 1, tf2sync and stock PSS: each
-    # system's own 2-ps / 1-ps ratio.
-    ("tf2sync_loop", "w3", SHARDS, SHARDS),
-    ("pss_async_unrolled", "w3", SHARDS, SHARDS),
-    ("tf2sync_loop", "w3", 1, 1),
-    ("pss_async_unrolled", "w3", 1, 1),
-    # No partitioner: whole variables placed round robin over 2 ps.
-    ("tf2sync_loop", "w3", SHARDS, 1),
-    ("pss_async_unrolled", "w3", SHARDS, 1),
-    ("tf2sync_loop", "w1", SHARDS, 1),
-    ("pss_async_unrolled", "w1", SHARDS, 1),
-)
-# Its memory cells, on a fresh cluster of subprocess tasks, in the order set
-# up: first a small model, the fixed cost of a system on a ps.
-SHARDING_MEMORY_CELLS = (
-    ("tf2sync_loop", "w1"),
-    ("tf2sync_fit", "w4"),
-    ("tf2sync_loop", "w4"),
-    ("pss_async", "w4"),
-    ("pss_async_unrolled", "w4"),
-)
+# -- targets --------------------------------------------------------------
 
 
-def _sharding_cell(s, system, kind, ps, shards):
-    """(endpoint name, setup args, record fields) of a sharding cell."""
-    name = f"{system}_{kind}_{ps}ps" + ("_rr" if shards < ps else "")
-    args = {"system": system, "workload": s.sharding_workload, "k": s.k}
-    if kind != "w4":
-        args["workload"] = kind
-    if shards > 1:
-        args["shards"] = shards
-    fields = {
-        "config": system,
-        "workload": kind,
-        "ps": ps,
-        "shards": shards,
-        "rows": _ROWS.get(kind, s.sharding_rows),
-    }
-    return name, args, fields
+def main_targets(records):
+    found = rates(records, "main")
+    return [
+        target(
+            f"{workload} {system} / {base}",
+            ratio(
+                median(found.get((workload, system))),
+                median(found.get((workload, base))),
+            ),
+            ">=",
+            least,
+        )
+        for forms in MAIN_FORMS
+        for workload, (base, *bars) in MAIN_BARS.items()
+        for system, least in zip(forms, bars)
+    ]
 
 
-def scenario_sharding(bench, workers=2):
-    """w4 partitioned over 2 ps, side by side; w3 on 2 ps against 1 ps.
+def straggler_targets(records):
+    kept = straggler_kept(records).get("tf2sync_b1")
+    name = "straggler: tf2sync 1 backup, with / without the straggler"
+    return [target(name, kept, ">=", STRAGGLER_KEEP)]
 
-    Memory first, as the memory scenario measures it: a fresh cluster of
-    subprocess tasks (`python -m tf2sync`, 2 ps with `_MEMORY_ENV`, 2
-    workers, a chief) where the systems are set up one at a time, each
-    ps's anonymous RSS settled before and after (a system's state on a ps
-    is that difference), then each tf2sync system's per-step peak over one
-    short run. The small model set up first gives the fixed cost of a
-    system on a ps (and takes the ps's own one-time costs).
 
-    Then throughput, as the main scenario measures it: in-process clusters
-    (2 workers + 2 ps for w4 and w3 in 2 shards, 2 workers + 1 ps for w3
-    whole, TF1's own of 2 workers + 2 ps), every system set up, then the
-    repeats interleaved.
+def accuracy_targets(records):
+    """At the grid's first learning rate, and each system at its best."""
+
+    def row(condition, value):
+        name = f"digits: seconds to the accuracy target{condition}, "
+        return target(name + "tf2sync_fit / pss_async_fit", value, "<=", 1.0)
+
+    found = accuracy_runs(records)
+    if not found:
+        return [row("", None)]
+
+    def seconds_of(key):
+        values = [r.get("seconds_to_target") for r in found.get(key, [])]
+        if any(v is None for v in values):
+            return float("inf")  # a missed run: the median would hide it
+        return median(values)
+
+    def best(system):
+        """(seconds, rate) of the system's fastest rate, or None."""
+        cells = [(seconds_of(key), key[1]) for key in found if key[0] == system]
+        return min(cells, default=None)
+
+    some = next(iter(found.values()))[0]
+    first = some.get("learning_rates", [ACCURACY_UNRECORDED_RATE])[0]
+    ours = seconds_of(("tf2sync_fit", first))
+    theirs = seconds_of(("pss_async_fit", first))
+    value = None if None in (ours, theirs) else ratio(ours, theirs)
+    rows = [row(f" at learning rate {first:g}", value)]
+    grid = sorted({rate for _, rate in found})
+    if len(grid) > 1:
+        ours, theirs = best("tf2sync_fit"), best("pss_async_fit")
+        value = ratio(ours[0], theirs[0]) if ours and theirs else None
+
+        def where(name, cell):
+            if cell[0] == float("inf"):
+                return f"{name} missed at every rate"
+            return f"{name} at {cell[1]:g}"
+
+        at = ""
+        if ours and theirs:
+            at = f" ({where('tf2sync', ours)}, {where('stock', theirs)})"
+        listed = ", ".join(f"{r:g}" for r in grid)
+        rows.append(row(f", each at its best rate of {listed}{at}", value))
+    return rows
+
+
+# -- report sections ------------------------------------------------------
+
+
+def main_section(records):
+    found = rates(records, "main")
+    cpu = rates(records, "main", "cpu_us_per_example")
+    ran = {r.get("system") for r in records if r.get("scenario") == "main"}
+    described = [[f"`{k}`", v] for k, v in SYSTEM_TEXT.items() if k in ran]
+    if not described:
+        return []
+    blocks = [
+        (["system", "what"], described),
+        "CPU us / ex: the user + system CPU time of all the harness's "
+        "processes during a run (one system runs at a time), per example. "
+        "On a machine whose cores every process shares it moves less "
+        "between runs than examples/s. `fit` runs 2 epochs of that work per "
+        "run and is timed over the second, as a `fit` of several epochs "
+        "runs: the first also holds the call's start (tf_keras builds and "
+        "ships each worker's input pipeline, data included, at every `fit` "
+        "call; the loops build theirs once, untimed). Its CPU per example "
+        "is over both epochs.",
+    ]
+    header = ["system", "median ex/s", "min - max", "runs", "vs tf1_sync"]
+    header += ["vs pss_async", "CPU us / ex"]
+    for workload in WORKLOADS:
+        failed = [
+            r for r in errors(records, "main") if r["workload"] == workload
+        ]
+        systems = [s for s in SYSTEM_TEXT if (workload, s) in found]
+        if not systems and not failed:
+            continue
+        tf1 = median(found.get((workload, "tf1_sync")))
+        pss = median(found.get((workload, "pss_async")))
+        rows = []
+        for system in systems:
+            mid = median(found[(workload, system)])
+            rows.append(
+                [
+                    f"`{system}`",
+                    *spread(found[(workload, system)]),
+                    fmt(ratio(mid, tf1), ".2f"),
+                    fmt(ratio(mid, pss), ".2f"),
+                    fmt(median(cpu.get((workload, system))), ".1f"),
+                ]
+            )
+        rows += [
+            [f"`{r['system']}`", "error", r["error"][:160], 0] for r in failed
+        ]
+        blocks += [f"### {workload}: {WORKLOAD_TEXT[workload]}", (header, rows)]
+    return blocks
+
+
+def paired_ratios(records, workload, system):
+    """current / baseline of `system` in each round both trees ran.
+
+    A round (`cluster`, `repeat`) runs every system once, one after the
+    other; a cluster build, or the machine for a while, can be slower for
+    both trees alike (one build at two thirds of the next's speed), which
+    pooled medians mix and a ratio within the round cancels.
     """
-    s = bench.s
-    functions = s.functions["w4"]
-    base = {
-        "scenario": "sharding",
-        "workers": workers,
-        "steps_per_function": s.k,
-        "functions": functions,
+    by_round = {}
+    for r in runs(records, "main"):
+        if r.get("workload") == workload and "repeat" in r:
+            key = (r.get("cluster", 0), r["repeat"])
+            by_round.setdefault(key, {})[r["system"]] = r["examples_per_sec"]
+    then = system + BASELINE
+    return [
+        rate[system] / rate[then]
+        for _, rate in sorted(by_round.items())
+        if rate.get(system) is not None and rate.get(then)
+    ]
+
+
+def before_after_rows(records):
+    """Per workload and tf2sync system run from --baseline_tree: both
+    trees' medians and their ratio, the median of the rounds' own ratios
+    (`paired_ratios`), each tree's ratios to local and tf1_sync, and PASS /
+    MISS / n/a for current / baseline >= BASELINE_KEEP (the rounds' median
+    where rounds paired, else the medians' ratio)."""
+    found = rates(records, "main")
+    cpu = rates(records, "main", "cpu_us_per_example")
+    failed = {
+        (r.get("workload"), r.get("system")) for r in errors(records, "main")
     }
-    _sharding_memory(bench, base, workers)
-    chief2 = bench.start_pss("sharding_2ps", workers, ps=SHARDS)
-    chief1 = bench.start_pss("sharding_1ps", workers)
-    tf1 = bench.start_tf1(
-        s.sharding_workload,
-        workers,
-        ps=SHARDS,
-        shards=SHARDS,
-        name="sharding_tf1_sync",
-    )
-    endpoints, extra = [], {}
-    for system, kind, ps, shards in SHARDING_CELLS:
-        name, args, extra[name] = _sharding_cell(s, system, kind, ps, shards)
-        if system == "tf1_sync":
-            endpoint = Endpoint(name, "tf1", [tf1], {"steps": 2 * s.k}, workers)
-        else:
-            chief = chief2 if ps == SHARDS else chief1
-            endpoint = Endpoint(name, "pss", [chief], args, workers)
-        endpoints.append(endpoint)
-    try:
-        bench.setup(endpoints, base, extra)
-        bench.interleave(endpoints, functions, base, extra)
-    finally:
-        bench.close(endpoints)
-
-
-def _sharding_memory(bench, base, workers):
-    s = bench.s
-    spec, tasks = bench.start_tasks(
-        "sharding_memory", workers, env=_MEMORY_ENV, ps=SHARDS
-    )
-    chief = bench.start_pss("sharding_memory", workers, cluster_spec=spec)
-    ps_pids = [t.pid for t in tasks[:SHARDS]]
-    endpoints, extra = [], {}
-    for system, kind in SHARDING_MEMORY_CELLS:
-        name, args, extra[name] = _sharding_cell(
-            s, system, kind, SHARDS, SHARDS
-        )
-        endpoints.append(Endpoint(name, "pss", [chief], args, workers))
-    memory = {**base, "memory_cluster": True}
-    try:
-        bench.wait_ready(endpoints, memory)
-        empty = _settled_all(ps_pids)
-        for endpoint in endpoints:
-            if endpoint.failed:
+    ran = set(found) | failed
+    if not any(system.endswith(BASELINE) for _, system in ran):
+        return []
+    rows = []
+    for workload in WORKLOADS:
+        local = median(found.get((workload, "local")))
+        tf1 = median(found.get((workload, "tf1_sync")))
+        for system in SYSTEM_TEXT:
+            then = system + BASELINE
+            if not system.startswith("tf2sync") or (workload, then) not in ran:
                 continue
-            before = _settled_all(ps_pids)
-            got = bench.setup([endpoint], memory, extra).get(endpoint.name)
-            if got is None:
-                continue
-            after = _settled_all(ps_pids)
-            by_ps = got.get("ps_bytes", {})
-            bench.sink.write(
+            now_rate = median(found.get((workload, system)))
+            then_rate = median(found.get((workload, then)))
+            paired = paired_ratios(records, workload, system)
+            kept = median(paired) if paired else ratio(now_rate, then_rate)
+            result = "PASS" if kept and kept >= BASELINE_KEEP else "MISS"
+            rows.append(
                 {
-                    **memory,
-                    **extra[endpoint.name],
-                    "system": endpoint.name,
-                    "event": "ps_memory",
-                    "ps_tasks": [
-                        {
-                            "task": i,
-                            "pid": pid,
-                            "bytes": by_ps.get(str(i), 0),
-                            "rss_empty_kb": empty[i]["VmRSS"],
-                            "anon_empty_kb": empty[i].get("RssAnon"),
-                            "anon_before_kb": before[i].get("RssAnon"),
-                            "anon_after_kb": after[i].get("RssAnon"),
-                            "rss_after_kb": after[i]["VmRSS"],
-                        }
-                        for i, pid in enumerate(ps_pids)
+                    "workload": workload,
+                    "system": system,
+                    "current": now_rate,
+                    "baseline": then_rate,
+                    "runs": [
+                        len(found.get((workload, x), []))
+                        for x in (system, then)
                     ],
+                    "ratio": ratio(now_rate, then_rate),
+                    "paired": median(paired),
+                    "rounds": len(paired),
+                    "kept": kept,
+                    "vs_local": [
+                        ratio(now_rate, local),
+                        ratio(then_rate, local),
+                    ],
+                    "vs_tf1_sync": [
+                        ratio(now_rate, tf1),
+                        ratio(then_rate, tf1),
+                    ],
+                    "cpu_us": [
+                        median(cpu.get((workload, x))) for x in (system, then)
+                    ],
+                    "result": "n/a (not measured)" if kept is None else result,
                 }
             )
-        for endpoint in endpoints:  # each tf2sync system's per-step peak
-            if endpoint.failed or not endpoint.name.startswith("tf2sync"):
-                continue
-            if extra[endpoint.name]["workload"] != "w4":
-                continue
-            rss = [procs.memory_kb(pid)["VmRSS"] for pid in ps_pids]
-            reset = [procs.reset_peak(pid) for pid in ps_pids]
-            endpoint.run(
-                min(base["functions"], MEMORY_FUNCTIONS), s.k, s.timeout
-            )
-            hwm = [procs.memory_kb(pid)["VmHWM"] for pid in ps_pids]
-            bench.sink.write(
-                {
-                    **memory,
-                    **extra[endpoint.name],
-                    "system": endpoint.name,
-                    "event": "ps_peak",
-                    "peak_kb": [h - r for h, r in zip(hwm, rss)],
-                    "peak_reset": all(reset),
-                }
-            )
-    except (procs.ChildError, OSError) as e:
-        bench.sink.write(
-            {**memory, "system": "sharding_memory", "error": str(e)}
+    return rows
+
+
+def before_after_section(records):
+    """The current tree against --baseline_tree (none without it)."""
+    found = before_after_rows(records)
+    if not found:
+        return []
+    config = next((r for r in records if r.get("event") == "config"), {})
+
+    def pair(values, spec):
+        return " / ".join(fmt(v, spec) for v in values)
+
+    rows = [
+        [
+            r["workload"],
+            f"`{r['system']}`",
+            fmt(r["current"]),
+            fmt(r["baseline"]),
+            pair(r["runs"], "d"),
+            fmt(r["ratio"], ".3f"),
+            f"{fmt(r['paired'], '.3f')} ({r['rounds']})",
+            pair(r["vs_local"], ".2f"),
+            pair(r["vs_tf1_sync"], ".2f"),
+            pair(r["cpu_us"], ".1f"),
+            r["result"],
+        ]
+        for r in found
+    ]
+    missed = [
+        f"{r['workload']} `{r['system']}`"
+        for r in found
+        if r["result"] != "PASS"
+    ]
+    verdict = f"Every cell keeps >= {BASELINE_KEEP:.2f} x the baseline."
+    if missed:
+        verdict = f"Not PASS (MISS or not measured): {', '.join(missed)}."
+    both = " (current / baseline)"
+    header = ["workload", "system", "current ex/s", "baseline ex/s"]
+    header += ["runs" + both, "current / baseline"]
+    header += ["paired rounds: median (rounds)", "vs local" + both]
+    header += ["vs tf1_sync" + both, "CPU us / ex" + both]
+    header.append(f"current / baseline >= {BASELINE_KEEP:.2f}")
+    return [
+        "Each tf2sync system of the main scenario, from this tree and from "
+        f"the baseline tree `{config.get('baseline_tree') or '?'}` "
+        f"(`<system>{BASELINE}`: that tree's own `benchmarks/pss_worker.py` "
+        "and `tf2sync`, on a cluster of its own), interleaved in the same "
+        "rounds. Examples/s are medians of the repeats; *current / "
+        "baseline* is their ratio; *paired rounds* is the median of each "
+        "round's own current / baseline (both trees one after the other), "
+        "which a faster or slower cluster build does not move, and decides "
+        "the result where rounds paired; the ratios to `local` and "
+        "`tf1_sync` are each version's median over the same run's (run "
+        f"once, from this tree). {verdict}",
+        (header, rows),
+    ]
+
+
+def _by_straggler(records):
+    key = lambda r: (r["config"], r["straggler"])  # noqa: E731
+    return rates(records, "straggler", key=key)
+
+
+def straggler_kept(records):
+    """{config: median with the straggler / median without}."""
+    by = _by_straggler(records)
+    return {
+        c: ratio(median(by.get((c, True))), median(by.get((c, False))))
+        for c, _ in by
+    }
+
+
+def straggler_section(records):
+    by = _by_straggler(records)
+    if not by:
+        return []
+    setups = [
+        r
+        for r in records
+        if r.get("scenario") == "straggler" and r.get("event") == "setup"
+    ]
+    delay = max((r.get("delay_s", 0) for r in setups), default=0)
+    compute = max((r.get("compute_s", 0) for r in setups), default=0)
+    kept = straggler_kept(records)
+    slow_async = median(by.get(("pss_async", True)))
+    dropped = {}
+    for r in runs(records, "straggler"):
+        if r.get("pushes"):
+            share = r.get("stale_dropped", 0) / r["pushes"]
+            dropped.setdefault((r["config"], r["straggler"]), []).append(share)
+    rows = [
+        [
+            config,
+            fmt(median(by.get((config, False)))),
+            fmt(median(by.get((config, True)))),
+            fmt(kept.get(config), ".2f"),
+            fmt(ratio(median(by.get((config, True))), slow_async), ".2f"),
+            " / ".join(
+                fmt(median(dropped.get((config, s))), ".0%")
+                for s in (False, True)
+            ),
+        ]
+        for config in ("tf2sync_b0", "tf2sync_b1", "pss_async")
+    ]
+    first = runs(records, "straggler")[0]
+    header = ["configuration", "no straggler ex/s", "straggler ex/s"]
+    header += ["kept", "vs pss_async (straggler)"]
+    header.append("stale pushes dropped (without / with)")
+    return [
+        f"{first['workers']} workers, {first['workload']}; worker 0 sleeps "
+        f"{delay * 1e3:.1f} ms per step ({ratio(delay, compute) or 0:.1f} x "
+        f"its compute alone, {compute * 1e3:.1f} ms). `tf2sync_b0`: "
+        "replicas_to_aggregate = total = 3; `tf2sync_b1`: 2 of 3 (one backup "
+        "worker); *kept*: with / without the straggler. Rates are taken "
+        "between 20 % and 80 % of each run's gradients (no start, no tail). "
+        "All workers share this machine's cores: a sleeping worker frees "
+        "CPU for the others, which favours every configuration that does "
+        "not wait for it more than it would on separate machines.",
+        (header, rows),
+    ]
+
+
+def _step_ms(r):
+    return 1e3 * r["seconds"] / max(1, r["steps"])
+
+
+def scaling_section(records):
+    per = {}
+    for r in runs(records, "scaling"):
+        per.setdefault(r["workers"], []).append(r)
+    if not per:
+        return []
+    base = median([_step_ms(r) for r in per[min(per)]])
+    rows = []
+    for n in sorted(per):
+        ms = median([_step_ms(r) for r in per[n]])
+        rate = median([r["examples_per_sec"] for r in per[n]])
+        rows.append([n, fmt(ms, ".2f"), fmt(rate), fmt(ratio(ms, base), ".2f")])
+    header = ["workers", "median ms / sync step", "median ex/s"]
+    header.append(f"step cost vs {min(per)} worker(s)")
+    return [
+        "tf2sync custom loop on w1, replicas_to_aggregate = total = workers;"
+        " a step is one synchronous update (N gradients), all workers on "
+        "this machine.",
+        (header, rows),
+    ]
+
+
+def model_size_section(records):
+    per = {}
+    for r in runs(records, "model_size"):
+        cells = per.setdefault((r["width"], r["parameters"]), {})
+        cells.setdefault(r["config"], []).append(r)
+    if not per:
+        return []
+    first = min(per)
+    base = median([_step_ms(r) for r in per[first].get("tf2sync_loop", [])])
+    rows = []
+    for (width, parameters), cells in sorted(per.items()):
+        sync = cells.get("tf2sync_loop", [])
+        ms = median([_step_ms(r) for r in sync])
+        ours = median([r["examples_per_sec"] for r in sync])
+        theirs = median(
+            [r["examples_per_sec"] for r in cells.get("pss_async", [])]
         )
-    finally:
-        bench.registry.stop([chief, *tasks])
+        rows.append(
+            [
+                width,
+                f"{parameters:,}",
+                fmt(ms, ".2f"),
+                fmt(ratio(ms, base), ".2f"),
+                fmt(ours),
+                fmt(theirs),
+                fmt(ratio(ours, theirs), ".2f"),
+            ]
+        )
+    header = ["hidden units", "parameters", "tf2sync ms / sync step"]
+    header += [f"vs {first[0]} units", "tf2sync ex/s", "pss_async ex/s"]
+    header.append("tf2sync / pss_async")
+    return [
+        "w1 (32 -> H relu -> 10, batch 32 per worker), 2 workers + 1 ps; "
+        "tf2sync's custom loop (a step is one synchronous update of 2 "
+        "gradients) and stock asynchronous PSS, interleaved.",
+        (header, rows),
+    ]
 
 
-# Embedding rows of the sharding scenario's fixed workloads (w4's: the flag).
-_ROWS = {"w1": 0, "w3": 100_000}
+def accuracy_runs(records):
+    """{(system, learning rate): [runs]} of the accuracy scenario."""
+    found = {}
+    for r in runs(records, "accuracy"):
+        rate = r.get("learning_rate", ACCURACY_UNRECORDED_RATE)
+        found.setdefault((r["system"], rate), []).append(r)
+    return found
 
 
-def _settled_all(pids, seconds=1.0, slack_kb=64, most=15.0):
-    """[memory_kb(pid)] once every RssAnon moved < slack_kb for `seconds`."""
-    deadline = time.monotonic() + most
-    last = [procs.memory_kb(pid) for pid in pids]
-    while time.monotonic() < deadline:
-        time.sleep(seconds)
-        now = [procs.memory_kb(pid) for pid in pids]
-        if all(
-            abs(a.get("RssAnon", 0) - b.get("RssAnon", 0)) < slack_kb
-            for a, b in zip(now, last)
-        ):
-            return now
-        last = now
-    return last
+def accuracy_section(records):
+    found = accuracy_runs(records)
+    if not found:
+        return []
+    target_value = next(iter(found.values()))[0]["target"]
+    rows = []
+    for (system, rate), rs in sorted(found.items(), key=lambda i: i[0][1]):
+        curves = [r["curve"] for r in rs]
+        epoch_s = [b[0] - a[0] for c in curves for a, b in zip(c, c[1:])]
+        missed = sum(r["epochs_to_target"] is None for r in rs)
+        rows.append(
+            [
+                f"`{system}`",
+                f"{rate:g}",
+                fmt(median([r["epochs_to_target"] for r in rs]), ".1f"),
+                fmt(median([r["seconds_to_target"] for r in rs]), ".2f"),
+                fmt(median([c[0][0] for c in curves]), ".3f"),
+                fmt(median(epoch_s), ".3f"),
+                fmt(median([r["final_accuracy"] for r in rs]), ".4f"),
+                f"{len(rs)} ({missed} missed)",
+            ]
+        )
+    header = ["system", "learning rate", f"epochs to {target_value}"]
+    header += [f"seconds to {target_value}", "1st epoch s"]
+    header += ["s / epoch (after the 1st)", "final accuracy", "runs"]
+    return [
+        "scikit-learn digits (the launcher's default job: conv net, "
+        "1,500 training and 297 held-out images), `model.fit`, 2 workers, "
+        "batch 32 per worker, legacy momentum SGD (momentum 0.9) at each "
+        f"rate, {len(curves[0])} epochs of 1,500 examples; held-out "
+        "accuracy after each epoch, off the clock. Seconds include the first "
+        "epoch's one-off tracing (larger for tf2sync); medians over the "
+        "repeats. At one rate a synchronous epoch makes half the updates of "
+        "an asynchronous one (each the mean of 2 replicas' gradients).",
+        (header, rows),
+    ]

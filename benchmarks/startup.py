@@ -22,10 +22,10 @@ processes, about 6 min on 2 cores (--scenarios=startup).
 from __future__ import annotations
 
 import procs
-from sections import fmt
-from sections import median
-from sections import ratio
-from sections import table
+from tables import fmt
+from tables import median
+from tables import ratio
+from tables import target
 
 SYSTEMS = (
     "tf2sync_fit",
@@ -63,6 +63,10 @@ FIELDS = (
 )
 # Fields with no tf2sync / stock ratio in the table.
 NO_RATIO = ("gc_s",)
+# Issue 21: tf2sync's time to its first applied update at most this x stock
+# PSS's, per workload, fit and custom loop.
+FIRST_UPDATE_AT_MOST = 1.5
+TARGET_PAIRS = PAIRS[:3]
 
 
 def scenario_startup(bench, workers=2):
@@ -86,10 +90,8 @@ def scenario_startup(bench, workers=2):
 def _measure(bench, base, system, repeat):
     s = bench.s
     name = f"startup_{base['workload']}_{system}_{repeat}"
-    child = bench._start(
-        name,
-        bench._python("startup_worker.py", f"--workers={base['workers']}"),
-    )
+    argv = bench.python("startup_worker.py", f"--workers={base['workers']}")
+    child = bench.start(name, argv)
     record = {**base, "system": system, "repeat": repeat}
     try:
         ready = child.receive(s.timeout)
@@ -137,7 +139,28 @@ def medians(records) -> dict:
     }
 
 
-def startup_section(records) -> list[str]:
+def startup_targets(records):
+    """tf2sync / stock PSS, first applied update (none when not run)."""
+    found = medians(records)
+    rows = []
+    for workload in WORKLOADS:
+        for ours, theirs in TARGET_PAIRS:
+            a, b = found.get((workload, ours)), found.get((workload, theirs))
+            if a or b:
+                rows.append(
+                    target(
+                        f"{workload}: first applied update, {ours} / {theirs}",
+                        a
+                        and b
+                        and ratio(a["first_update_s"], b["first_update_s"]),
+                        "<=",
+                        FIRST_UPDATE_AT_MOST,
+                    )
+                )
+    return rows
+
+
+def startup_section(records):
     """The split per workload and system, and tf2sync / stock PSS."""
     found = medians(records)
     failed = [
@@ -145,7 +168,36 @@ def startup_section(records) -> list[str]:
     ]
     if not found and not failed:
         return []
-    lines = [
+    measured = {workload for workload, _ in found}
+    described = [
+        f"* {workload}: {WORKLOAD_TEXT[workload]}"
+        for workload in WORKLOADS
+        if workload in measured
+    ]
+    rows = []
+    for workload in WORKLOADS:
+        shown = set()
+        for ours, theirs in PAIRS:
+            for system in (ours, theirs):
+                m = found.get((workload, system))
+                if m and system not in shown:
+                    shown.add(system)
+                    cells = [fmt(m[f], ".3f") for f, _ in FIELDS]
+                    rows.append([workload, f"`{system}`", *cells, m["runs"]])
+            a, b = found.get((workload, ours)), found.get((workload, theirs))
+            if a and b:
+                cells = [
+                    "" if f in NO_RATIO else fmt(_ratio(a[f], b[f]), ".2f")
+                    for f, _ in FIELDS
+                ]
+                rows.append([workload, f"{ours} / {theirs}", *cells, ""])
+    header = ["workload", "system", *[h for _, h in FIELDS], "runs"]
+    errors = [
+        f"- {r.get('workload')} `{r.get('system')}` repeat "
+        f"{r.get('repeat')}: error {r['error'][:200]}"
+        for r in failed
+    ]
+    return [
         "From the call of `model.fit` or `Trainer.train` (or the custom "
         "loop's first line, which builds each worker's iterator) to the "
         "first applied update (the optimizer's `iterations` on the ps >= 1, "
@@ -160,52 +212,7 @@ def startup_section(records) -> list[str]:
         "custom loops' clocks after it). Each clock starts right after a "
         "full garbage collection; `GC in it` is the collector's time up to "
         "the first update. Ratios are tf2sync / stock PSS.",
-        "",
+        *(["\n".join(described)] if described else []),
+        (header, rows),
+        *(["\n".join(errors)] if errors else []),
     ]
-    measured = {workload for workload, _ in found}
-    lines += [
-        f"* {workload}: {WORKLOAD_TEXT[workload]}"
-        for workload in WORKLOADS
-        if workload in measured
-    ] + ([""] if measured else [])
-    header = ["workload", "system", *[h for _, h in FIELDS], "runs"]
-    rows = []
-    for workload in WORKLOADS:
-        shown = set()
-        for ours, theirs in PAIRS:
-            for system in (ours, theirs):
-                m = found.get((workload, system))
-                if m and system not in shown:
-                    shown.add(system)
-                    rows.append(
-                        [
-                            workload,
-                            f"`{system}`",
-                            *[fmt(m[f], ".3f") for f, _ in FIELDS],
-                            m["runs"],
-                        ]
-                    )
-            a, b = found.get((workload, ours)), found.get((workload, theirs))
-            if a and b:
-                rows.append(
-                    [
-                        workload,
-                        f"{ours} / {theirs}",
-                        *[
-                            ""
-                            if f in NO_RATIO
-                            else fmt(_ratio(a[f], b[f]), ".2f")
-                            for f, _ in FIELDS
-                        ],
-                        "",
-                    ]
-                )
-    lines += table(header, rows) + [""]
-    for r in failed:
-        lines.append(
-            f"- {r.get('workload')} `{r.get('system')}` repeat "
-            f"{r.get('repeat')}: error {r['error'][:200]}"
-        )
-    if failed:
-        lines.append("")
-    return lines

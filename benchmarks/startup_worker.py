@@ -3,50 +3,24 @@
 One measurement per process (first-trace costs are per process): the
 harness starts this chief with an in-process cluster (2 workers + 1 ps on
 127.0.0.1), sends one `measure(system, workload, k, rounds)` and ends it by
-PID. Systems: `tf2sync_fit` and `pss_async_fit` (`model.fit`,
-steps_per_execution=k), `tf2sync_trainer` (`tf2sync.Trainer.train`,
-steps_per_loop=k), `tf2sync_loop`, `tf2sync_loop_while` and
-`pss_async` (a custom loop on a `ClusterCoordinator`, k steps per
-function, as systems.LoopRunner builds them: tf2sync_loop with the step
-repeated in the graph, the others in a `tf.while_loop`). Workloads: w1
-(workloads.py), `digits` (the launcher's default job,
-tf2sync/_src/jobs/digits.py, as accuracy.py trains it) and `resnet50`
-(`tf.keras.applications.ResNet50(weights=None)`, 64x64x3 random images,
-10 classes, batch 4 per worker).
+PID. Systems: `tf2sync_fit`, `pss_async_fit` (`model.fit`), `tf2sync_trainer`
+(`Trainer.train`), `tf2sync_loop`, `tf2sync_loop_while`, `pss_async` (a
+custom loop as systems.LoopRunner builds it). Workloads: w1, `digits` (the
+launcher's default job) and `resnet50` (`ResNet50(weights=None)`, 64x64x3
+random images, batch 4 per worker).
 
-What is timed (time.perf_counter on the chief; t0 = the call of
-`model.fit` or `Trainer.train`, or a custom loop's first line, which
-builds each worker's iterator):
-
-* `before_schedule_s`: t0 to the first `ClusterCoordinator.schedule`
-  (each worker's iterator; fit's data handler and train function
-  wrapper);
-* `trace_s` (a): inside that first `schedule` call (the outermost, so
-  tf2sync's `SyncCoordinator.schedule` included): `tf.function` tracing is
-  synchronous there, then the closure is queued;
-* `first_update_s`: t0 to the first applied update: the optimizer's
-  `iterations` on the ps >= 1, polled by a chief thread every 5 ms from
-  the first schedule's return;
-* `first_function_s`: t0 to the first scheduled function's result fetched
-  (`RemoteValue.get()` in a chief thread: it waits for the function's
-  outputs on the worker; each function returns a value);
-* `steady_function_s` (c): one function's time once warm: after the
-  first functions are done, `rounds` rounds of one function per worker
-  (loops: scheduled and joined; fit: its second epoch), per round;
-* `register_s` (b): from the first schedule's return to the first
-  function's result, minus `steady_function_s`: function registration on
-  the workers and ps, their first execution (kernel and executor set-up),
-  the first remote reads and the fetch.
-
-So `first_function_s = before_schedule_s + trace_s + register_s +
-steady_function_s`.
-
-The garbage collector: each clock starts right after a full collection
-(`gc.collect()`), so that no system pays one owed to the allocations of
-its set-up (a full collection of this process's heap took 0.13-0.20 s on
-2 cores; without this, one fell inside the Trainer's measurement in every
-run and in no other system's). `gc_s` is the time the collector ran
-between t0 and the first update, `gc_full` its full collections there.
+Timed on the chief from t0, the call of `fit` or `Trainer.train` or a
+loop's first line (which builds each worker's iterator):
+`before_schedule_s` to the first `ClusterCoordinator.schedule`; `trace_s`
+(a) inside that outermost first call (tracing); `first_function_s` to that
+function's result (`RemoteValue.get()` in a thread); `first_update_s` to
+the optimizer's `iterations` on the ps >= 1 (polled every 5 ms);
+`steady_function_s` (c) one round of one function per worker once warm;
+`register_s` (b) from the first schedule's return to the first result
+minus (c): registration and first execution on the workers and ps. Each
+clock starts right after a full `gc.collect()`, so that no system pays one
+owed to its set-up; `gc_s` and `gc_full` are the collector's time and full
+collections between t0 and the first update.
 
 Started by benchmarks/harness.py (--scenarios=startup).
 """
@@ -64,11 +38,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 _STARTED = time.perf_counter()
 
-import procs  # noqa: E402
-
-procs.die_with_parent()
-
 import numpy as np  # noqa: E402
+import procs  # noqa: E402
 import systems  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import workloads  # noqa: E402
@@ -88,7 +59,6 @@ _POLL_S = 0.005
 PROFILE_ENV = "TF2SYNC_STARTUP_PROFILE"
 RESNET_SHAPE = (64, 64, 3)
 RESNET_BATCH = 4
-DIGITS_BATCH = 32  # accuracy.py's
 
 
 class _Collections:
@@ -228,14 +198,14 @@ def _model(workload):
 
 
 def _optimizer(workload):
-    if workload == "digits":  # accuracy.py's
+    if workload == "digits":  # systems.AccuracyRunner's
         return tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9)
     return workloads.optimizer("legacy")
 
 
 def _batch(workload):
     if workload == "digits":
-        return DIGITS_BATCH
+        return systems.DIGITS_BATCH
     if workload == "resnet50":
         return RESNET_BATCH
     return workloads.batch(workload)
@@ -429,7 +399,7 @@ class _Server:
         return result
 
     def _fit(self, model, opt, workload, batch, k, rounds, start):
-        if workload == "digits":  # as accuracy.py and the launcher
+        if workload == "digits":  # as AccuracyRunner and the launcher
             data = tf.keras.utils.experimental.DatasetCreator(
                 lambda ctx: digits.train_dataset(ctx, batch)
             )

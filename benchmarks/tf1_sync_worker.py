@@ -3,23 +3,18 @@
 What a TF1 user runs instead of tf2sync: between-graph replication with
 `tf.compat.v1.train.SyncReplicasOptimizer` (replicas_to_aggregate = total =
 the number of workers) over a `MomentumOptimizer`, one
-`MonitoredTrainingSession` per worker (here one thread each; worker 0 is
-the chief, with `make_session_run_hook(is_chief, num_tokens=N)`), against an
-in-process cluster of N workers and 1 ps (`--ps`) on 127.0.0.1, as TF's own
-`sync_replicas_optimizer_test.py` wires it. With `--shards=S` (a sparse
-workload: w3, w4), the embedding is a partitioned variable,
-`tf.compat.v1.fixed_size_partitioner(S)`, read by `tf.nn.embedding_lookup`
-(TF2's: "div", the partitioner's layout), its parts placed round robin over the
-ps tasks by `replica_device_setter` and initialized there by their own
-initializer ops. Eager execution is disabled,
-hence a process of its own. Examples count aggregated examples: N x B per
-global step. Commands (see `procs.serve`):
+`MonitoredTrainingSession` per worker (one thread each; worker 0 is the
+chief), against an in-process cluster of N workers and `--ps` ps on
+127.0.0.1, as TF's own `sync_replicas_optimizer_test.py` wires it. With
+`--shards=S` (w3, w4) the embedding is a partitioned variable
+(`fixed_size_partitioner(S)`, read by `tf.nn.embedding_lookup`), its parts
+placed round robin over the ps by `replica_device_setter`. Eager execution
+is disabled, hence a process of its own. Examples count N x B per global
+step. Commands (see `procs.serve`): `setup(steps)` builds the graphs and
+sessions, starts the workers' threads and trains `steps` global steps
+(warm-up); `run(steps)` trains and times `steps` more.
 
-* `setup(steps)` builds the graphs and sessions, starts one thread per
-  worker and trains until the global step rose by `steps` (warm-up);
-* `run(steps)` trains until the global step rose by `steps` and times it.
-
-Started by benchmarks/harness.py, not by hand.
+Started by benchmarks/harness.py and ps_scaling.py, not by hand.
 """
 
 from __future__ import annotations
@@ -32,13 +27,12 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import procs  # noqa: E402
-
-procs.die_with_parent()
-
 import tensorflow as tf  # noqa: E402
 import workloads  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
+
+from tf2sync._src import cluster  # noqa: E402
 
 _WORKERS = flags.DEFINE_integer("workers", 2, "Worker tasks.")
 _WORKLOAD = flags.DEFINE_string(
@@ -53,7 +47,7 @@ v1 = tf.compat.v1
 
 
 def _start_cluster(num_workers, num_ps=1):
-    ports = procs.pick_free_ports(num_workers + num_ps)
+    ports = cluster.pick_free_ports(num_workers + num_ps)
     spec = tf.train.ClusterSpec(
         {
             "worker": [f"127.0.0.1:{p}" for p in ports[:num_workers]],

@@ -600,7 +600,7 @@ class ReportTest(absltest.TestCase):
             run("tf2sync_fit@baseline", 0, 0, 100.0),
         ]
         rows = {
-            r["system"]: r for r in report.sections.before_after_rows(records)
+            r["system"]: r for r in report.scenarios.before_after_rows(records)
         }
         row = rows[loop]
         # Pooled medians: 78 against 100, a MISS that is not one.
@@ -648,7 +648,7 @@ class ReportTest(absltest.TestCase):
             },
         ]
         rows = {
-            r["system"]: r for r in report.sections.before_after_rows(records)
+            r["system"]: r for r in report.scenarios.before_after_rows(records)
         }
         self.assertEqual(
             (rows["tf2sync_loop"]["ratio"], rows["tf2sync_loop"]["result"]),
@@ -689,7 +689,7 @@ class ReportTest(absltest.TestCase):
         # Without a baseline: no such section, the rest unchanged (but
         # for the main table's row of the baseline's error).
         plain = [r for r in records if "@" not in r.get("system", "")]
-        self.assertEqual(report.sections.before_after_rows(plain), [])
+        self.assertEqual(report.scenarios.before_after_rows(plain), [])
         self.assertNotIn("Before and after", report.render(plain, ""))
         ran = [r for r in records if "error" not in r]
         self.assertEqual(
@@ -788,7 +788,9 @@ class ReportTest(absltest.TestCase):
             got("w3 round robin on 2 ps: tf2sync_loop / pss_async_unrolled"),
             ("0.85", "PASS"),
         )
-        section = "\n".join(report.sections.sharding_section(records))
+        section = "\n".join(
+            report.tables.lines(report.memory.sharding_section(records))
+        )
         self.assertIn(
             "| tf2sync_loop | w4 | 1 | 600.0 | 256.0 | 343.0 | 1.34 | 332.0 "
             "| n/a | 700.0 |",
@@ -802,7 +804,7 @@ class ReportTest(absltest.TestCase):
         self.assertFalse(
             any("w4" in t["target"] for t in report.targets(plain))
         )
-        self.assertEqual(report.sections.sharding_section(plain), [])
+        self.assertEqual(report.memory.sharding_section(plain), [])
 
     def test_memory_targets_compare_growth_per_worker(self):
         report = benchutil.load("report")
@@ -890,9 +892,11 @@ class ReportTest(absltest.TestCase):
         peak = found["ps memory: tf2sync largest per-step peak (MB)"]
         self.assertEqual(peak["measured"], "9.0")
         section = "\n".join(
-            report.sections.memory_section(
-                [cell("tf2sync_loop", 4, 47), cell("tf2sync_loop", 4, 60)]
-                + [cell("tf2sync_loop", 4, 48)]
+            report.tables.lines(
+                report.memory.memory_section(
+                    [cell("tf2sync_loop", 4, 47), cell("tf2sync_loop", 4, 60)]
+                    + [cell("tf2sync_loop", 4, 48)]
+                )
             )
         )
         self.assertIn(

@@ -18,6 +18,11 @@ from absl.testing import absltest
 _HARNESS = os.path.join(benchutil.BENCHMARKS, "harness.py")
 
 
+def _lines(blocks):
+    """The Markdown lines of a report section's blocks."""
+    return "\n".join(benchutil.load("tables").lines(blocks)).splitlines()
+
+
 def _record(system, trace, update, workload="w1", **extra):
     return {
         "scenario": "startup",
@@ -45,7 +50,7 @@ class StartupSectionTest(absltest.TestCase):
         self.assertEqual(found[("w1", "tf2sync_loop")]["trace_s"], 5.0)
         self.assertEqual(found[("w1", "tf2sync_loop")]["runs"], 3)
         self.assertEqual(found[("w1", "pss_async")]["trace_s"], 1.5)
-        lines = startup.startup_section(records)
+        lines = _lines(startup.startup_section(records))
         # Each measured workload is described once, the others not.
         self.assertIn(f"* w1: {startup.WORKLOAD_TEXT['w1']}", lines)
         self.assertFalse(any(x.startswith("* digits:") for x in lines))
@@ -143,17 +148,19 @@ class StartupSectionTest(absltest.TestCase):
         ]
         self.assertEqual((best["measured"], best["result"]), ("0.75", "PASS"))
         section = "\n".join(
-            benchutil.load("sections").accuracy_section(
-                [
-                    dict(
-                        r,
-                        target=0.95,
-                        epochs_to_target=2,
-                        final_accuracy=0.96,
-                        curve=[[1.0, 0.9], [1.2, 0.96]],
-                    )
-                    for r in records
-                ]
+            _lines(
+                benchutil.load("scenarios").accuracy_section(
+                    [
+                        dict(
+                            r,
+                            target=0.95,
+                            epochs_to_target=2,
+                            final_accuracy=0.96,
+                            curve=[[1.0, 0.9], [1.2, 0.96]],
+                        )
+                        for r in records
+                    ]
+                )
             )
         )
         self.assertIn("| `tf2sync_fit` | 0.1 | 2.0 | 1.50 |", section)
@@ -161,16 +168,18 @@ class StartupSectionTest(absltest.TestCase):
     def test_errors_are_listed_and_no_records_no_section(self):
         startup = benchutil.load("startup")
         self.assertEqual(startup.startup_section([]), [])
-        lines = startup.startup_section(
-            [
-                {
-                    "scenario": "startup",
-                    "workload": "w1",
-                    "system": "tf2sync_fit",
-                    "repeat": 0,
-                    "error": "boom",
-                }
-            ]
+        lines = _lines(
+            startup.startup_section(
+                [
+                    {
+                        "scenario": "startup",
+                        "workload": "w1",
+                        "system": "tf2sync_fit",
+                        "repeat": 0,
+                        "error": "boom",
+                    }
+                ]
+            )
         )
         self.assertTrue(any("boom" in x for x in lines), lines)
 

@@ -1,0 +1,773 @@
+"""The ps scenarios: each one's run, targets and report section.
+
+* `memory`: the RSS of a ps running as its own process (w3), 1..4 workers.
+* `sharding`: w4 (a 2,000,000 x 32 embedding) partitioned over 2 ps:
+  tf2sync (`fit`, loop), stock PSS (loop, unrolled) and TF1's
+  `SyncReplicasOptimizer` (`fixed_size_partitioner`), each ps's state beside
+  the bytes of its shards; and w3 in 2 shards on 2 ps against w3 on 1 ps,
+  and whole variables round robin over 2 ps. Not in the default run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import procs
+from driver import Endpoint
+from tables import errors
+from tables import events
+from tables import fmt
+from tables import median
+from tables import rates
+from tables import ratio
+from tables import runs
+from tables import spread
+from tables import target
+
+MEMORY_FUNCTIONS = 10  # timed functions per memory cell (peaks show at once)
+# So that the ps's RSS follows what it holds and a transient buffer shows in
+# its peak: TF's plain CPU allocator (oneDNN's caches freed buffers in a BFC
+# pool), and glibc mmaps allocations from 128 kB up and unmaps them when
+# freed (by default, freed buffers stay in the heap).
+MEMORY_ENV = {
+    "TF_ENABLE_ONEDNN_OPTS": "0",
+    "MALLOC_MMAP_THRESHOLD_": "131072",
+    "MALLOC_TRIM_THRESHOLD_": "131072",
+    "MALLOC_ARENA_MAX": "2",
+}
+# Embedding rows of w3 and of w3_x4, the memory scenario's 4 x control.
+EMBEDDING_ROWS = {"w3": 100_000, "w3_x4": 400_000}
+EMBEDDING_MB = EMBEDDING_ROWS["w3"] * 32 * 4 / 1e6
+# ps state growth per added worker, as a share of the embedding's size: a
+# dense per-worker buffer of the table would add 1.0.
+MEMORY_PER_WORKER = 0.25
+# Stock PSS with the same function form as each tf2sync loop. The ps holds
+# each worker's instance of a function, so the form alone moves the growth
+# per worker (stock PSS on w3: ~1 MB in the loop, ~5 MB repeated 10 x).
+MEMORY_REFERENCE = {
+    "tf2sync_loop": "pss_async_unrolled",
+    "tf2sync_loop_while": "pss_async",
+}
+SHARDS = 2  # the sharding scenario's shards and ps tasks
+SHARDING_SYSTEMS = (
+    "tf2sync_fit",
+    "tf2sync_loop",
+    "pss_async",
+    "pss_async_unrolled",
+    "tf1_sync",
+)
+# Its timed cells: (system, workload, ps tasks, shards per variable).
+SHARDING_CELLS = (
+    *[(system, "w4", SHARDS, SHARDS) for system in SHARDING_SYSTEMS],
+    # w3 sharded on 2 ps and whole on 1: each system's 2-ps / 1-ps ratio;
+    # then no partitioner, whole variables round robin over 2 ps.
+    *[
+        (system, workload, ps, shards)
+        for workload, ps, shards in (
+            ("w3", SHARDS, SHARDS),
+            ("w3", 1, 1),
+            ("w3", SHARDS, 1),
+            ("w1", SHARDS, 1),
+        )
+        for system in ("tf2sync_loop", "pss_async_unrolled")
+    ],
+)
+# Its memory cells, set up one after the other on one fresh cluster: first
+# a small model, the fixed cost of a system on a ps.
+SHARDING_MEMORY_CELLS = (
+    ("tf2sync_loop", "w1"),
+    ("tf2sync_fit", "w4"),
+    ("tf2sync_loop", "w4"),
+    ("pss_async", "w4"),
+    ("pss_async_unrolled", "w4"),
+)
+_ROWS = {"w1": 0, "w3": 100_000}  # embedding rows (w4's: the flag)
+# Issue 18's bars on w4 (2 shards, 2 ps): (system, baseline, at least).
+SHARDING_BARS = (
+    ("tf2sync_fit", "tf1_sync", 1.0),
+    ("tf2sync_loop", "tf1_sync", 1.0),
+    ("tf2sync_fit", "pss_async_unrolled", 0.9),
+    ("tf2sync_loop", "pss_async_unrolled", 0.9),
+)
+SHARD_STATE_FACTOR = 1.25  # a ps's state <= this x its shards' bytes + fixed
+# Issue 51: w3's 2-ps / 1-ps ratio at least this x stock PSS's own ratio
+# (on shared cores a second ps adds no compute), and whole variables
+# round robin over 2 ps at least this x stock PSS unrolled.
+SHARDED_W3_OF_STOCK = 0.95
+ROUND_ROBIN_AT_LEAST = 0.85
+
+
+def settled(pids, seconds=1.0, slack_kb=64, most=15.0):
+    """[memory_kb(pid)] once every RssAnon moved < slack_kb for `seconds`."""
+    deadline = time.monotonic() + most
+    last = [procs.memory_kb(pid) for pid in pids]
+    while time.monotonic() < deadline:
+        time.sleep(seconds)
+        now = [procs.memory_kb(pid) for pid in pids]
+        if all(
+            abs(a.get("RssAnon", 0) - b.get("RssAnon", 0)) < slack_kb
+            for a, b in zip(now, last)
+        ):
+            return now
+        last = now
+    return last
+
+
+def scenario_memory(bench, workload="w3"):
+    """RSS of a subprocess ps on w3, tf2sync with 1..4 workers.
+
+    Then stock PSS with the same optimizer, in both function forms, with
+    the fewest and the most workers (the references), and two controls:
+    tf2sync with an embedding 4 x as large (`w3_x4`: what of the growth
+    per worker comes with the table), and stock PSS with
+    `tf.keras.optimizers.SGD`, whose momentum rewrites the whole table
+    every step (dense per-step buffers of the embedding's size). Every
+    cell is measured `memory_repeats` times on a fresh cluster, the cells
+    interleaved: one reading moved by up to 6 MB between runs.
+    """
+    s = bench.s
+    ends = sorted({min(s.memory_workers), max(s.memory_workers)})
+    cells = [
+        ("tf2sync_loop", n, s.optimizer, workload) for n in s.memory_workers
+    ]
+    cells += [
+        (system, n, s.optimizer, workload)
+        for system in ("tf2sync_loop_while", "pss_async", "pss_async_unrolled")
+        for n in ends
+    ]
+    cells += [("tf2sync_loop", n, s.optimizer, "w3_x4") for n in ends]
+    cells.append(("pss_async", max(s.memory_workers), "keras", workload))
+    functions = min(s.functions[workload], MEMORY_FUNCTIONS)
+    for repeat, (system, n, kind, cell_workload) in itertools.product(
+        range(s.memory_repeats), cells
+    ):
+        base = {
+            "scenario": "memory",
+            "workload": cell_workload,
+            "workers": n,
+            "optimizer": kind,
+            "steps_per_function": s.k,
+            "functions": functions,
+            "repeat": repeat,
+        }
+        name = f"memory_{system}_{kind}_{cell_workload}_{n}w"
+        spec, tasks = bench.start_tasks(name, n, env=MEMORY_ENV)
+        chief = bench.start_pss(name, n, cluster_spec=spec, optimizer=kind)
+        args = {"system": system, "workload": cell_workload, "k": s.k}
+        endpoint = Endpoint(system, "pss", [chief], args, n)
+        try:
+            _measure_memory(bench, endpoint, tasks[0].pid, base)
+        except (procs.ChildError, OSError) as e:
+            bench.fail([endpoint], endpoint, e, base)
+        finally:
+            bench.registry.stop([chief, *tasks])
+
+
+def _measure_memory(bench, endpoint, ps_pid, base):
+    bench.wait_ready([endpoint], base)
+    if endpoint.failed:
+        return
+    [idle] = settled([ps_pid])
+    bench.setup([endpoint], base)
+    if endpoint.failed:
+        return
+    state = procs.memory_kb(ps_pid)
+    reset = procs.reset_peak(ps_pid)
+    result = endpoint.run(base["functions"], bench.s.k, bench.s.timeout)
+    after = procs.memory_kb(ps_pid)
+    bench.sink.write(
+        {
+            **base,
+            "system": endpoint.name,
+            "ps_pid": ps_pid,
+            "rss_idle_kb": idle["VmRSS"],
+            "anon_idle_kb": idle.get("RssAnon"),
+            "rss_state_kb": state["VmRSS"],
+            "anon_state_kb": state.get("RssAnon"),
+            "hwm_run_kb": after["VmHWM"],
+            "rss_after_kb": after["VmRSS"],
+            "anon_after_kb": after.get("RssAnon"),
+            "peak_reset": reset,
+            **result,
+        }
+    )
+
+
+def _sharding_cell(s, system, workload, ps, shards):
+    """(endpoint name, setup args, record fields) of a sharding cell."""
+    name = f"{system}_{workload}_{ps}ps" + ("_rr" if shards < ps else "")
+    args = {"system": system, "workload": s.sharding_workload, "k": s.k}
+    if workload != "w4":
+        args["workload"] = workload
+    if shards > 1:
+        args["shards"] = shards
+    fields = {
+        "config": system,
+        "workload": workload,
+        "ps": ps,
+        "shards": shards,
+        "rows": _ROWS.get(workload, s.sharding_rows),
+    }
+    return name, args, fields
+
+
+def scenario_sharding(bench, workers=2):
+    """Memory first, as the memory scenario measures it: on a fresh
+    cluster of subprocess tasks (2 ps with `MEMORY_ENV`, 2 workers, a
+    chief) the systems are set up one at a time, each ps's anonymous RSS
+    settled before and after (its state), then each tf2sync system's
+    per-step peak over one short run. Then throughput, as the main
+    scenario measures it: in-process clusters (2 workers + 2 ps, 2 workers
+    + 1 ps for w3 whole, TF1's own of 2 workers + 2 ps), every system set
+    up, then the repeats interleaved."""
+    s = bench.s
+    functions = s.functions["w4"]
+    base = {
+        "scenario": "sharding",
+        "workers": workers,
+        "steps_per_function": s.k,
+        "functions": functions,
+    }
+    _sharding_memory(bench, base, workers)
+    chiefs = {
+        SHARDS: bench.start_pss("sharding_2ps", workers, ps=SHARDS),
+        1: bench.start_pss("sharding_1ps", workers),
+    }
+    tf1 = bench.start_tf1(
+        s.sharding_workload, workers, SHARDS, SHARDS, "sharding_tf1_sync"
+    )
+    endpoints, extra = [], {}
+    for system, workload, ps, shards in SHARDING_CELLS:
+        name, args, extra[name] = _sharding_cell(
+            s, system, workload, ps, shards
+        )
+        if system == "tf1_sync":
+            endpoint = Endpoint(name, "tf1", [tf1], {"steps": 2 * s.k}, workers)
+        else:
+            endpoint = Endpoint(name, "pss", [chiefs[ps]], args, workers)
+        endpoints.append(endpoint)
+    bench.run_all(endpoints, functions, base, extra, setup_extra=extra)
+
+
+def _sharding_memory(bench, base, workers):
+    s = bench.s
+    spec, tasks = bench.start_tasks(
+        "sharding_memory", workers, env=MEMORY_ENV, ps=SHARDS
+    )
+    chief = bench.start_pss("sharding_memory", workers, cluster_spec=spec)
+    pids = [t.pid for t in tasks[:SHARDS]]
+    endpoints, extra = [], {}
+    for system, workload in SHARDING_MEMORY_CELLS:
+        cell = _sharding_cell(s, system, workload, SHARDS, SHARDS)
+        name, args, extra[name] = cell
+        endpoints.append(Endpoint(name, "pss", [chief], args, workers))
+    memory = {**base, "memory_cluster": True}
+    try:
+        bench.wait_ready(endpoints, memory)
+        empty = settled(pids)
+        for endpoint in endpoints:
+            if endpoint.failed:
+                continue
+            before = settled(pids)
+            got = bench.setup([endpoint], memory, extra).get(endpoint.name)
+            if got is None:
+                continue
+            after = settled(pids)
+            by_ps = got.get("ps_bytes", {})
+            tasks_memory = [
+                {
+                    "task": i,
+                    "pid": pid,
+                    "bytes": by_ps.get(str(i), 0),
+                    "rss_empty_kb": empty[i]["VmRSS"],
+                    "anon_empty_kb": empty[i].get("RssAnon"),
+                    "anon_before_kb": before[i].get("RssAnon"),
+                    "anon_after_kb": after[i].get("RssAnon"),
+                    "rss_after_kb": after[i]["VmRSS"],
+                }
+                for i, pid in enumerate(pids)
+            ]
+            bench.sink.write(
+                {
+                    **memory,
+                    **extra[endpoint.name],
+                    "system": endpoint.name,
+                    "event": "ps_memory",
+                    "ps_tasks": tasks_memory,
+                }
+            )
+        for endpoint in endpoints:  # each tf2sync system's per-step peak
+            if endpoint.failed or not endpoint.name.startswith("tf2sync"):
+                continue
+            if extra[endpoint.name]["workload"] != "w4":
+                continue
+            rss = [procs.memory_kb(pid)["VmRSS"] for pid in pids]
+            reset = [procs.reset_peak(pid) for pid in pids]
+            functions = min(base["functions"], MEMORY_FUNCTIONS)
+            endpoint.run(functions, s.k, s.timeout)
+            hwm = [procs.memory_kb(pid)["VmHWM"] for pid in pids]
+            bench.sink.write(
+                {
+                    **memory,
+                    **extra[endpoint.name],
+                    "system": endpoint.name,
+                    "event": "ps_peak",
+                    "peak_kb": [h - r for h, r in zip(hwm, rss)],
+                    "peak_reset": all(reset),
+                }
+            )
+    except (procs.ChildError, OSError) as e:
+        error = {"system": "sharding_memory", "error": str(e)}
+        bench.sink.write({**memory, **error})
+    finally:
+        bench.registry.stop([chief, *tasks])
+
+
+# -- memory: targets and section --------------------------------------------
+
+
+def _state_mb(r):
+    if r.get("anon_state_kb") is not None:  # allocations only, no code
+        return (r["anon_state_kb"] - r["anon_idle_kb"]) / 1e3
+    return (r["rss_state_kb"] - r["rss_idle_kb"]) / 1e3
+
+
+def memory_cells(records):
+    """One row per memory cell (system, workers, optimizer, workload), in
+    the order measured: the median state over its repeats (one RSS reading
+    moves by MBs between runs), the largest per-step peak, its runs."""
+    cells = {}
+    for r in records:
+        if r.get("scenario") == "memory" and "rss_state_kb" in r:
+            key = (r["system"], r["workers"], r["optimizer"], r["workload"])
+            cells.setdefault(key, []).append(r)
+    return [
+        {
+            "system": system,
+            "workers": workers,
+            "optimizer": optimizer,
+            "workload": workload,
+            "idle_mb": median([r["rss_idle_kb"] / 1e3 for r in rs]),
+            "state_mb": median([_state_mb(r) for r in rs]),
+            "peak_mb": max(
+                (r["hwm_run_kb"] - r["rss_state_kb"]) / 1e3 for r in rs
+            ),
+            "peak_reset": all(r["peak_reset"] for r in rs),
+            "runs": len(rs),
+        }
+        for (system, workers, optimizer, workload), rs in cells.items()
+    ]
+
+
+def _growth_per_worker(cells):
+    cells = sorted(cells, key=lambda c: c["workers"])
+    added = cells[-1]["workers"] - cells[0]["workers"] if cells else 0
+    if not added:
+        return None
+    return (cells[-1]["state_mb"] - cells[0]["state_mb"]) / added
+
+
+def memory_targets(records):
+    """Each tf2sync loop's state growth per added worker beyond that of
+    stock PSS in the same form; with 4 x the table minus with w3's; the
+    largest per-step peak (all in MB)."""
+    cells = memory_cells(records)
+    most = MEMORY_PER_WORKER * EMBEDDING_MB
+    share = f"{MEMORY_PER_WORKER:.0%} of"
+    rows = []
+    for system, stock in MEMORY_REFERENCE.items():
+        ours = [
+            c for c in cells if c["system"] == system and c["workload"] == "w3"
+        ]
+        kind = ours[0]["optimizer"] if ours else None
+        theirs = [
+            c
+            for c in cells
+            if (c["system"], c["optimizer"], c["workload"])
+            == (stock, kind, "w3")
+        ]
+        growth, reference = _growth_per_worker(ours), _growth_per_worker(theirs)
+        growth = None if None in (growth, reference) else growth - reference
+        rows.append(
+            target(
+                f"ps memory: {system} state growth per added worker, beyond "
+                f"{stock}'s (MB)",
+                growth,
+                "<=",
+                most,
+                f"{share} the embedding",
+                ".1f",
+            )
+        )
+    loop = [c for c in cells if c["system"] == "tf2sync_loop"]
+    growth = [
+        _growth_per_worker([c for c in loop if c["workload"] == w])
+        for w in ("w3_x4", "w3")
+    ]
+    rows.append(
+        target(
+            "ps memory: tf2sync_loop state growth per added worker with 4 x "
+            "the embedding, minus with w3's (MB)",
+            None if None in growth else growth[0] - growth[1],
+            "<=",
+            most,
+            f"{share} w3's embedding",
+            ".1f",
+        )
+    )
+    peak = [c["peak_mb"] for c in loop if c["workload"] == "w3"]
+    rows.append(
+        target(
+            "ps memory: tf2sync largest per-step peak (MB)",
+            max(peak, default=None),
+            "<",
+            EMBEDDING_MB,
+            "the embedding's size",
+            ".1f",
+        )
+    )
+    return rows
+
+
+def memory_section(records):
+    found = memory_cells(records)
+    if not found:
+        return []
+    rows = [
+        [
+            c["system"],
+            c["workers"],
+            c["optimizer"],
+            f"{EMBEDDING_ROWS[c['workload']]:,}",
+            fmt(c["idle_mb"], ".1f"),
+            fmt(c["state_mb"], ".1f"),
+            fmt(c["peak_mb"], ".1f") + ("" if c["peak_reset"] else " (*)"),
+            c["runs"],
+        ]
+        for c in found
+    ]
+    header = ["system", "workers", "optimizer", "embedding rows"]
+    header += ["ps RSS idle MB", "state MB", "per-step peak MB", "runs"]
+    return [
+        "w3; the ps is a process of its own (`python -m tf2sync "
+        "--job_name=ps`, run with TF_ENABLE_ONEDNN_OPTS=0 and glibc "
+        "mmapping every buffer from 128 kB up, so that its RSS follows what "
+        f"it holds). The embedding is {EMBEDDING_MB:.1f} MB, its momentum "
+        "slot as much again. *state*: anonymous RSS (allocations, not "
+        "code pages) after setup and warm-up minus the same before the "
+        "chief connected (variables, slots, accumulators, functions). "
+        "*per-step peak*: peak RSS during the timed run minus RSS before it "
+        "(peak reset through /proc/PID/clear_refs; (*) where that failed). "
+        "Each cell is a fresh cluster, measured *runs* times (the cells "
+        "interleaved): idle and state are medians, the peak the largest. "
+        "Stock PSS with the same optimizer and the same function form is "
+        "the reference (the target compares tf2sync's state growth per "
+        "added worker with its: `pss_async_unrolled` for `tf2sync_loop`, "
+        "`pss_async` for `tf2sync_loop_while`; the ps holds each worker's "
+        "instance of the function, so a step repeated in the graph costs "
+        "stock PSS more per worker too); with `keras` "
+        "(`tf.keras.optimizers.SGD`, whose momentum rewrites the whole "
+        "table every step) it is the control: what dense per-step buffers "
+        "of the embedding's size look like here. tf2sync with an embedding "
+        "of 4 x the rows is the other control: a buffer of the table's size "
+        f"per worker would add 3 x {EMBEDDING_MB:.1f} MB per added worker "
+        "there.",
+        (header, rows),
+    ]
+
+
+# -- sharding: targets and section ------------------------------------------
+
+
+def sharding_rates(records, field="examples_per_sec"):
+    """{(workload, config, ps tasks, shards): [`field` of each timed run]}
+    (shards 1 on several ps: whole variables placed round robin)."""
+    key = lambda r: (
+        r["workload"],
+        r["config"],
+        r["ps"],
+        r.get("shards", r["ps"]),
+    )  # noqa: E731
+    return rates(records, "sharding", field, key)
+
+
+def sharding_memory(records):
+    """One dict per (system, ps task) set up on the 2-ps cluster, in the
+    order set up: the bytes of its variables and slots there, its state
+    (anonymous RSS after its setup minus before), `fixed` (the state of
+    the small model set up first on that ps) and the bound
+    SHARD_STATE_FACTOR x bytes + fixed, in MB."""
+    peaks = {
+        (r["config"], r["workload"], i): kb / 1e3
+        for r in events(records, "sharding", "ps_peak")
+        for i, kb in enumerate(r["peak_kb"])
+    }
+    fixed, rows = {}, []
+    for r in events(records, "sharding", "ps_memory"):
+        for t in r["ps_tasks"]:
+            state = (t["anon_after_kb"] - t["anon_before_kb"]) / 1e3
+            if r["workload"] == "w1":
+                fixed[t["task"]] = state
+            rows.append(
+                {
+                    "system": r["config"],
+                    "workload": r["workload"],
+                    "task": t["task"],
+                    "bytes_mb": t["bytes"] / 1e6,
+                    "state_mb": state,
+                    "empty_rss_mb": t["rss_empty_kb"] / 1e3,
+                    "rss_after_mb": t["rss_after_kb"] / 1e3,
+                    "peak_mb": peaks.get(
+                        (r["config"], r["workload"], t["task"])
+                    ),
+                }
+            )
+    for row in rows:
+        row["fixed_mb"] = fixed.get(row["task"])
+        row["bound_mb"] = None
+        if row["fixed_mb"] is not None and row["workload"] != "w1":
+            row["bound_mb"] = (
+                SHARD_STATE_FACTOR * row["bytes_mb"] + row["fixed_mb"]
+            )
+    return rows
+
+
+def sharding_targets(records):
+    """None when the scenario did not run."""
+    if not any(r.get("scenario") == "sharding" for r in records):
+        return []
+    found = sharding_rates(records)
+
+    def over(config, workload, ps, shards, base):
+        cell = median(found.get((workload, config, ps, shards)))
+        return ratio(cell, median(found.get(base)))
+
+    rows = [
+        target(
+            f"w4 (2 shards, 2 ps) {system} / {base}",
+            over(system, "w4", 2, 2, ("w4", base, 2, 2)),
+            ">=",
+            least,
+        )
+        for system, base, least in SHARDING_BARS
+    ]
+    factor = SHARD_STATE_FACTOR
+    memory = [
+        m
+        for m in sharding_memory(records)
+        if m["workload"] == "w4" and m["system"].startswith("tf2sync")
+    ]
+    for m in memory:
+        rows.append(
+            target(
+                f"ps memory, w4: {m['system']} state on ps {m['task']} (MB)",
+                m["state_mb"],
+                "<=",
+                m["bound_mb"],
+                f"{factor} x its shards' {m['bytes_mb']:.1f} MB + the fixed "
+                f"{fmt(m['fixed_mb'], '.1f')} MB",
+                ".1f",
+            )
+        )
+    if not memory:
+        row = target("ps memory, w4: tf2sync state per ps", None, "<=", None)
+        row["required"] = f"<= {factor} x its shards' bytes + the fixed cost"
+        rows.append(row)
+    own = [
+        over(config, "w3", 2, 2, ("w3", config, 1, 1))
+        for config in ("tf2sync_loop", "pss_async_unrolled")
+    ]
+    rows.append(
+        target(
+            "w3 2 shards on 2 ps / on 1 ps: tf2sync_loop's ratio / "
+            "pss_async_unrolled's",
+            None if None in own else ratio(*own),
+            ">=",
+            SHARDED_W3_OF_STOCK,
+        )
+    )
+    for w in ("w1", "w3"):
+        rows.append(
+            target(
+                f"{w} round robin on 2 ps: tf2sync_loop / pss_async_unrolled",
+                over("tf2sync_loop", w, 2, 1, (w, "pss_async_unrolled", 2, 1)),
+                ">=",
+                ROUND_ROBIN_AT_LEAST,
+            )
+        )
+    return rows
+
+
+def sharding_section(records):
+    found = sharding_rates(records)
+    failed = errors(records, "sharding")
+    if not found and not failed:
+        return []
+    cpu = sharding_rates(records, "cpu_us_per_example")
+    rows_w4 = next(
+        (
+            r.get("rows")
+            for r in runs(records, "sharding")
+            if r["workload"] == "w4"
+        ),
+        None,
+    )
+
+    def mid(config, workload="w4", ps=2, shards=None):
+        return median(found.get((workload, config, ps, shards or ps)))
+
+    def cells(workload, config, ps, shards, base):
+        values = found[(workload, config, ps, shards)]
+        return [
+            *spread(values),
+            fmt(ratio(median(values), base), ".2f"),
+        ]
+
+    def cpu_of(*key):
+        return fmt(median(cpu.get(key)), ".1f")
+
+    blocks = [
+        f"w4: Embedding {fmt(rows_w4, ',')} x 32 over 20 ids per example, "
+        "mean, dense 64 relu, dense 1 (mean squared error), batch 128 per "
+        "worker, legacy momentum SGD; 2 workers and 2 ps, every variable of "
+        "rank >= 1 in 2 shards, one per ps (`tf.distribute.experimental."
+        "partitioners.FixedShardsPartitioner(2)`, the same for stock PSS; "
+        "TF1: a partitioned variable, `tf.compat.v1.fixed_size_partitioner"
+        '(2)`, read by `tf.nn.embedding_lookup` (its "div" layout), '
+        "momentum `MomentumOptimizer`). Throughput as in the main scenario: "
+        "in-process clusters on 127.0.0.1 (the PSS systems all on one of 2 "
+        "workers + 2 ps, TF1 on its own of the same shape), every system "
+        "set up once, the repeats interleaved. Memory on a separate, fresh "
+        "cluster of subprocess tasks (below).",
+        "### w4 throughput (2 workers + 2 ps)",
+    ]
+    rows = [
+        [
+            f"`{config}`",
+            *cells("w4", config, 2, 2, mid("tf1_sync")),
+            fmt(ratio(mid(config), mid("pss_async_unrolled")), ".2f"),
+            fmt(ratio(mid(config), mid("pss_async")), ".2f"),
+            cpu_of("w4", config, 2, 2),
+        ]
+        for config in SHARDING_SYSTEMS
+        if found.get(("w4", config, 2, 2))
+    ]
+    rows += [[f"`{r['system']}`", "error", r["error"][:160], 0] for r in failed]
+    header = ["system", "median ex/s", "min - max", "runs", "vs tf1_sync"]
+    header += ["vs pss_async_unrolled", "vs pss_async", "CPU us / ex"]
+    blocks.append((header, rows))
+    rows = [
+        [
+            f"`{config}`",
+            ps,
+            "none" if ps == 1 else f"{ps} shards",
+            *cells("w3", config, ps, ps, mid(config, "w3", 1)),
+            cpu_of("w3", config, ps, ps),
+        ]
+        for config in ("tf2sync_loop", "pss_async_unrolled")
+        for ps in (1, 2)
+        if found.get(("w3", config, ps, ps))
+    ]
+    if rows:
+        header = ["system", "ps", "partitioned", "median ex/s", "min - max"]
+        header += ["runs", "vs 1 ps", "CPU us / ex"]
+        blocks += [
+            "### w3 on 2 ps against 1 ps",
+            "w3 (embedding 100,000 x 32) in 2 shards on the 2-ps cluster "
+            "above (every variable of rank >= 1 in 2 shards), and "
+            "unpartitioned on an in-process cluster of 1 ps and 2 workers, "
+            "in the same rounds. On 2 shared cores a second ps adds no "
+            "compute: each system's 2-ps / 1-ps ratio is what spreading "
+            "over ps costs it.",
+            (header, rows),
+        ]
+    rows = [
+        [
+            workload,
+            f"`{config}`",
+            *cells(
+                workload,
+                config,
+                2,
+                1,
+                mid("pss_async_unrolled", workload, 2, 1),
+            ),
+            cpu_of(workload, config, 2, 1),
+        ]
+        for workload in ("w1", "w3")
+        for config in ("tf2sync_loop", "pss_async_unrolled")
+        if found.get((workload, config, 2, 1))
+    ]
+    if rows:
+        header = ["workload", "system", "median ex/s", "min - max", "runs"]
+        header += ["vs pss_async_unrolled", "CPU us / ex"]
+        blocks += [
+            "### Whole variables round robin over 2 ps",
+            "No partitioner: each variable whole on one of the 2 ps of the "
+            "cluster above, placed round robin as PSS places them.",
+            (header, rows),
+        ]
+    memory = sharding_memory(records)
+    if memory:
+        rows = [
+            [
+                m["system"],
+                m["workload"] + (" (fixed)" if m["workload"] == "w1" else ""),
+                m["task"],
+                fmt(m["empty_rss_mb"], ".1f"),
+                fmt(m["bytes_mb"], ".1f"),
+                fmt(m["state_mb"], ".1f"),
+                fmt(
+                    None
+                    if m["workload"] == "w1"
+                    else ratio(m["state_mb"], m["bytes_mb"]),
+                    ".2f",
+                ),
+                fmt(m["bound_mb"], ".1f"),
+                fmt(m["peak_mb"], ".1f"),
+                fmt(m["rss_after_mb"], ".1f"),
+            ]
+            for m in memory
+        ]
+        header = ["system", "workload", "ps", "empty ps RSS MB"]
+        header += ["shards' bytes MB", "state MB", "state / bytes"]
+        header += [f"bound MB ({SHARD_STATE_FACTOR} x bytes + fixed)"]
+        header += ["per-step peak MB", "ps RSS after setup MB"]
+        blocks += [
+            "### ps memory under sharding",
+            "A fresh cluster of subprocess tasks (`python -m tf2sync`: 2 "
+            "ps, 2 workers; the chief another process) where each PSS "
+            "system is set up (model, slots, traced functions, warm-up) one "
+            "at a time, all on the same 2 ps; the ps tasks run with the "
+            "memory scenario's settings (TF_ENABLE_ONEDNN_OPTS=0, glibc "
+            "mmapping buffers from 128 kB up). *shards' bytes*: the bytes of "
+            "the system's variables and optimizer slots on that ps (read "
+            "from the variables' devices by the chief). *state*: that ps's "
+            "anonymous RSS once settled after the system's setup minus the "
+            "same before it. *fixed*: the state of the small model "
+            "(tf2sync_loop on w1, 2 shards) set up first on the fresh ps: a "
+            "system's fixed cost on a ps, which here also takes the ps's "
+            "own one-time costs (so it bounds a later system's fixed cost "
+            f"from above). *bound*: {SHARD_STATE_FACTOR} x shards' bytes + "
+            "fixed. *empty ps RSS*: the ps's RSS before the chief connected "
+            "(TensorFlow's code and runtime). *per-step peak*: after every "
+            "setup, each tf2sync system on w4 runs 10 functions alone: that "
+            "ps's peak RSS during the run minus its RSS before (peak reset "
+            "through /proc/PID/clear_refs).",
+            (header, rows),
+        ]
+    tf1 = [
+        r
+        for r in events(records, "sharding", "setup")
+        if r.get("config") == "tf1_sync" and r.get("ps_bytes")
+    ]
+    if tf1:
+        placed = sorted(tf1[0]["ps_bytes"].items())
+        blocks.append(
+            "TF1's variables (with slots and the SyncReplicasOptimizer's "
+            "step variables) by ps: "
+            + ", ".join(f"ps {k}: {v / 1e6:,.1f} MB" for k, v in placed)
+            + "."
+        )
+    return blocks

@@ -1,0 +1,99 @@
+"""The report's one table renderer and its arithmetic (no TensorFlow).
+
+A scenario's section is a list of blocks: a string (a paragraph or a
+`### heading`) or a `(header, rows)` table; `lines()` writes them all as
+Markdown. A target is a row of the report's first table (`target()`).
+Every ratio is a ratio of medians of the same run.
+"""
+
+from __future__ import annotations
+
+import operator
+import statistics
+
+_OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt}
+
+
+def median(values):
+    values = [v for v in values or [] if v is not None]
+    return statistics.median(values) if values else None
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def fmt(value, spec=",.0f"):
+    return "n/a" if value is None else format(value, spec)
+
+
+def spread(values):
+    """The cells median, min - max and runs of a list of examples/s."""
+    low_high = f"{min(values):,.0f} - {max(values):,.0f}"
+    return [fmt(median(values)), low_high, len(values)]
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def lines(blocks):
+    """Markdown lines of a section's blocks (see the module docstring)."""
+    out = []
+    for block in blocks:
+        out += ([block] if isinstance(block, str) else table(*block)) + [""]
+    return out
+
+
+def target(name, value, op, bound, required=None, spec=".2f"):
+    """A target's row: PASS when `value op bound`, n/a when not measured."""
+    ok = value is not None and bound is not None and _OPS[op](value, bound)
+    result = "PASS" if ok else "MISS"
+    if value is None:
+        result = "n/a (not measured)"
+    required = f"{op} {fmt(bound, spec)}" + f" ({required})" * bool(required)
+    return {
+        "target": name,
+        "measured": fmt(value, spec),
+        "required": required,
+        "result": result,
+    }
+
+
+def runs(records, scenario):
+    """The records of `scenario`'s timed runs."""
+    return [
+        r
+        for r in records
+        if r.get("scenario") == scenario and "examples_per_sec" in r
+    ]
+
+
+def rates(records, scenario, field="examples_per_sec", key=None):
+    """{key(run): [`field` of each run that has it]}; the key is
+    (workload, system) by default."""
+    key = key or (lambda r: (r["workload"], r["system"]))
+    found = {}
+    for r in runs(records, scenario):
+        if r.get(field) is not None:
+            found.setdefault(key(r), []).append(r[field])
+    return found
+
+
+def events(records, scenario, event):
+    return [
+        r
+        for r in records
+        if r.get("scenario") == scenario and r.get("event") == event
+    ]
+
+
+def errors(records, scenario):
+    return [
+        r for r in records if "error" in r and r.get("scenario") == scenario
+    ]
+
+
+def error_row(r):
+    return [f"`{r['system']}`", "error", r["error"][:160], 0]
