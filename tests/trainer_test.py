@@ -147,6 +147,28 @@ class TrainerTest(parameterized.TestCase):
             ):
                 _trainer(_parts(), 4, checkpoint_dir=path)
 
+    def test_bad_checkpoint_cadence_is_refused(self):
+        for kwargs, line in (
+            (
+                {"checkpoint_every_steps": 0, "checkpoint_dir": "/tmp/x"},
+                "`checkpoint_every_steps` must be None or an int > 0. "
+                "Received: checkpoint_every_steps=0",
+            ),
+            (
+                {"checkpoint_every_seconds": float("nan")},
+                "`checkpoint_every_seconds` must be None or a number of "
+                "seconds > 0. Received: checkpoint_every_seconds=nan",
+            ),
+            (
+                {"checkpoint_every_seconds": 30},
+                "`checkpoint_every_seconds` needs `checkpoint_dir` (where to "
+                "save). Received: checkpoint_every_seconds=30, "
+                "checkpoint_dir=None",
+            ),
+        ):
+            with self.assertRaisesWithLiteralMatch(ValueError, line):
+                _trainer(_parts(), 4, **kwargs)
+
     def test_a_dataset_that_runs_out_is_named_and_earlier_epochs_kept(self):
         # 9 batches per worker: the first epoch's 8 pushes fit however the
         # workers share them (with 6, one that took 7 ran out in the first
@@ -693,6 +715,51 @@ class TrainerTest(parameterized.TestCase):
                 [v.numpy() for v in optimizer.ema_variables], ema
             ),
             1e-6,
+        )
+
+    def test_resume_inside_an_epoch_is_exact(self):
+        whole_dir = tempfile.mkdtemp()
+        strategy, model, optimizer = _parts()
+        _trainer(
+            (strategy, model, optimizer),
+            2,
+            checkpoint_dir=whole_dir,
+            checkpoint_every_steps=4,
+            max_to_keep=10,
+        ).train(_dataset_fn, epochs=2, steps_per_epoch=8)
+        uninterrupted = model.get_weights()
+        state = tf.train.get_checkpoint_state(whole_dir)
+        self.assertEqual(
+            [os.path.basename(p) for p in state.all_model_checkpoint_paths],
+            ["ckpt-0_4", "ckpt-1", "ckpt-1_4", "ckpt-2"],
+        )
+        # A restart whose newest save is ckpt-1_4 (6 of 8 updates).
+        directory = tempfile.mkdtemp()
+        for name in tf.io.gfile.glob(os.path.join(whole_dir, "ckpt-1_4*")):
+            tf.io.gfile.copy(name, os.path.join(directory, name.split("/")[-1]))
+        tf.compat.v1.train.update_checkpoint_state(
+            directory, os.path.join(directory, "ckpt-1_4")
+        )
+        strategy, model, optimizer = _parts(seed=7)
+        history = _trainer(
+            (strategy, model, optimizer),
+            2,
+            checkpoint_dir=directory,
+            checkpoint_every_steps=4,
+        ).train(_dataset_fn, epochs=2, steps_per_epoch=8)
+        self.assertLen(history.history["loss"], 1)  # epoch 2's last 4 steps
+        self.assertEqual(int(optimizer.iterations.numpy()), 8)
+        self.assertEqual(
+            callbacks_lib.sync_totals(optimizer)["over_plan_dropped"], 0
+        )
+        # Steps counted from where the epoch resumed: no save at step 6.
+        state = tf.train.get_checkpoint_state(directory)
+        self.assertEqual(
+            [os.path.basename(p) for p in state.all_model_checkpoint_paths],
+            ["ckpt-1_4", "ckpt-2"],
+        )
+        self.assertLess(
+            testutil.max_abs_diff(model.get_weights(), uninterrupted), 1e-6
         )
 
     @parameterized.named_parameters(

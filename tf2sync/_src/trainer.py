@@ -47,9 +47,12 @@ class Trainer(trainer_epochs.EpochsMixin):
        `checkpoint_dir` a checkpoint of model, optimizer and epoch.
 
     With `checkpoint_dir`, `train` first restores the latest checkpoint and
-    continues from the epoch after it: weights, global step, every slot and
+    continues where it was saved: weights, global step, every slot and
     the moving averages resume as they were, so the next steps equal an
-    uninterrupted run's (given the same data).
+    uninterrupted run's (given the same data). With `checkpoint_every_*`
+    the loop also joins and saves inside an epoch (`ckpt-<epochs>_<steps>`,
+    a whole number of applied updates on every ps); a resumed epoch runs
+    the steps left, reading them from its input's start.
 
     A progress bar is shown per epoch when stdout is a terminal, one line
     per epoch otherwise (`verbose=0` silences both).
@@ -66,6 +69,8 @@ class Trainer(trainer_epochs.EpochsMixin):
         use_tf_while_loop: bool | None = None,
         checkpoint_dir: str | None = None,
         max_to_keep: int = 3,
+        checkpoint_every_steps: int | None = None,
+        checkpoint_every_seconds: float | None = None,
         callbacks=(),
         verbose: int | str = "auto",
         options: options_lib.SyncOptions | None = None,
@@ -108,6 +113,14 @@ class Trainer(trainer_epochs.EpochsMixin):
             the graph.
           checkpoint_dir: Where to save and resume; None: no checkpoints.
           max_to_keep: Checkpoints kept.
+          checkpoint_every_steps: Also save after this many steps of an
+            epoch (after the function that reaches them: the loop joins,
+            then saves), so that a restart redoes at most about that many;
+            `train` resumes inside the epoch. None: at epoch ends only.
+          checkpoint_every_seconds: Also save when this many seconds
+            passed since the last save (checked as each function is
+            scheduled). Neither is used for a `ServicePassPerEpoch`'s
+            epochs, which end with their pass.
           callbacks: `tf.keras.callbacks.Callback`s (or one).
           verbose: "auto", 0, 1 (progress bar) or 2 (one line per epoch).
           options: A `tf2sync.SyncOptions` for this trainer's loop; None
@@ -123,7 +136,9 @@ class Trainer(trainer_epochs.EpochsMixin):
             its values, or `loss_fn` is None with the default `train_step`
             or names no tf.keras loss, or `model` has no weights yet, or a
             later `SyncOptimizer` replaced `optimizer`, or `checkpoint_dir`
-            is a file or cannot be written or created.
+            is a file or cannot be written or created, or a
+            `checkpoint_every_*` is not None nor > 0, or is given without
+            `checkpoint_dir`.
         """
         checks.loop_arguments(steps_per_loop, use_tf_while_loop)
         self.options = checks.checked_options(strategy, options)
@@ -134,6 +149,9 @@ class Trainer(trainer_epochs.EpochsMixin):
         loss_fn = checks.loss_fn(loss_fn, default_step)
         callbacks = checks.callbacks(callbacks)
         checks.checkpoint_dir(checkpoint_dir)
+        self._cadence = checks.checkpoint_cadence(
+            checkpoint_dir, checkpoint_every_steps, checkpoint_every_seconds
+        )
         self.strategy = strategy
         self.model = model
         self.optimizer = optimizer
@@ -244,13 +262,11 @@ class Trainer(trainer_epochs.EpochsMixin):
             checks.dataset_fn(dataset_fn)
         checks.steps_per_epoch(steps_per_epoch, service, self._sync.tf1_order)
         checks.epochs(epochs)
-        self._restore_latest_checkpoint()
+        first_step = self._restore_latest_checkpoint()
         if self._saver:  # traced while every task answers
             self._saver.prepare()
         start_epoch = int(self._epoch.numpy())
-        loops_per_epoch, rest = divmod(
-            steps_per_epoch or 0, self.steps_per_loop
-        )
+        rest = (steps_per_epoch or 0) % self.steps_per_loop
         history = tf_keras.callbacks.History()
         callback_list = tf_keras.callbacks.CallbackList(
             self._callbacks + [history],
@@ -293,14 +309,15 @@ class Trainer(trainer_epochs.EpochsMixin):
                     next_pass()
                     logs = self._run_pass(loop, iter(per_worker))
                 else:
+                    # A resumed epoch runs the steps its save left.
                     logs = self._run_epoch(
                         loop,
                         iterator,
-                        loops_per_epoch,
+                        (epoch, first_step, steps_per_epoch),
                         single,
-                        rest=(rest_fn, rest),
+                        rest_fn,
                     )
-                    single = None  # the first epoch's first loop only
+                    single, first_step = None, 0  # the first epoch only
             logs = self.train_loop_end(logs)
             callback_list.on_epoch_end(epoch, logs)
             self._end_epoch(epoch, epochs, logs)
@@ -310,17 +327,20 @@ class Trainer(trainer_epochs.EpochsMixin):
         self._sync.end()
         return history
 
-    def _restore_latest_checkpoint(self):
-        """Restores the latest checkpoint of `checkpoint_dir`, if any."""
+    def _restore_latest_checkpoint(self) -> int:
+        """Restores the latest checkpoint of `checkpoint_dir`, if any;
+        returns the steps of its epoch it holds (0: an epoch's end)."""
         if not self._manager:
-            return
+            return 0
         latest = tf.train.latest_checkpoint(self._manager.directory)
-        if latest:
-            checkpointing.check_shapes(self._manager.checkpoint, latest)
-            self._manager.checkpoint.restore(
-                latest
-            ).assert_existing_objects_matched()
-            checkpointing.restore_sync_totals(self._manager.checkpoint, latest)
+        if not latest:
+            return 0
+        checkpointing.check_shapes(self._manager.checkpoint, latest)
+        self._manager.checkpoint.restore(
+            latest
+        ).assert_existing_objects_matched()
+        checkpointing.restore_sync_totals(self._manager.checkpoint, latest)
+        return checkpointing.position_of(latest)[1]
 
     def _per_worker_iterator(self, dataset_fn):
         """An iterator of `dataset_fn`'s distributed dataset on each worker."""

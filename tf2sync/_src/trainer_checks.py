@@ -12,6 +12,7 @@ import tf_keras
 from absl import logging
 
 from tf2sync._src import callbacks as callbacks_lib
+from tf2sync._src import checkpointing
 from tf2sync._src import compat_v1
 from tf2sync._src import directories
 from tf2sync._src import options as options_lib
@@ -179,6 +180,27 @@ def batch(batch) -> None:
         "`dataset_fn`'s dataset yield pairs, or override `train_step`. "
         f"Received: a batch of {shape}"
     )
+
+
+def checkpoint_cadence(checkpoint_dir, every_steps, every_seconds):
+    """The `checkpointing.Cadence` of `Trainer`'s `checkpoint_every_*`;
+    raises `ValueError` for a bad one, or one without `checkpoint_dir`."""
+    checkpointing.check_every("checkpoint_every_steps", every_steps, int)
+    checkpointing.check_every(
+        "checkpoint_every_seconds", every_seconds, (int, float)
+    )
+    cadence = checkpointing.Cadence(every_steps, every_seconds)
+    if cadence and not checkpoint_dir:
+        name, value = (
+            ("checkpoint_every_steps", every_steps)
+            if every_steps
+            else ("checkpoint_every_seconds", every_seconds)
+        )
+        raise ValueError(
+            f"`{name}` needs `checkpoint_dir` (where to save). Received: "
+            f"{name}={value!r}, checkpoint_dir={checkpoint_dir!r}"
+        )
+    return cadence
 
 
 def checkpoint_dir(checkpoint_dir) -> None:

@@ -119,20 +119,21 @@ class EpochsMixin:
 
         return loop
 
-    def _run_epoch(
-        self, loop, iterator, loops_per_epoch, single=None, rest=None
-    ):
+    def _run_epoch(self, loop, iterator, position, single=None, rest_fn=None):
         """Schedules an epoch's functions, joins, and returns its logs.
 
         Args:
           loop: The `tf.function` from `_loop_function`.
           iterator: The per-worker iterator it reads.
-          loops_per_epoch: Loops to run.
+          position: `(epoch, first step, steps per epoch)`: the epoch runs
+            its steps from the first (not 0 where a save inside it was
+            restored), as loops of `steps_per_loop`, then the rest (fewer)
+            as functions of one step.
           single: The function of one step from `_single_step_loop`: the
             first loop runs as `steps_per_loop` of it. None: every loop is
             one `loop`.
-          rest: `(function of one step, count)`: the epoch's last steps,
-            fewer than a loop, run after the loops (`(None, 0)`: none).
+          rest_fn: The function of one step for the rest (None: `single`,
+            or one made here).
 
         Returns:
           The logs: the mean loss, the sync totals (read after the join)
@@ -140,7 +141,12 @@ class EpochsMixin:
         """
         began = time.perf_counter()
         before = self._sync.step()
-        rest_fn, rest_steps = rest or (None, 0)
+        epoch, first_step, steps_per_epoch = position
+        loops_per_epoch, rest_steps = divmod(
+            steps_per_epoch - first_step, self.steps_per_loop
+        )
+        if rest_steps and rest_fn is None:
+            rest_fn = single or self._loop_function(steps=1)
         functions = [(loop, self.steps_per_loop)] * loops_per_epoch
         if single is not None and functions:
             functions[:1] = [(single, 1)] * self.steps_per_loop
@@ -153,6 +159,7 @@ class EpochsMixin:
                 for function in (single, rest_fn):
                     if function is not None:
                         self.coordinator.planned(function)
+        self._cadence.epoch_begins(first_step)
         try:
             # The first loop's trace waits for its first single step where
             # the chief shares the workers' CPUs (see the function).
@@ -160,7 +167,7 @@ class EpochsMixin:
                 ps_strategy.cluster_resolver(self.strategy),
                 self.steps_per_loop,
             )
-            results = []
+            results, done = [], first_step
             for function, steps in functions:
                 if wait and function is loop:
                     loops.wait_for_first_step(results[0][0])
@@ -169,6 +176,8 @@ class EpochsMixin:
                     function, args=(iterator,)
                 )
                 results.append((scheduled, steps))
+                done += steps
+                self._maybe_save_inside(epoch, done, steps_per_epoch)
             loss = self._fetch_mean_loss(results)
             self.coordinator.join()
         except tf.errors.OutOfRangeError as e:
@@ -186,6 +195,17 @@ class EpochsMixin:
         logs = {"loss": loss, **totals}
         logs["sync_steps_per_s"] = steps_done / max(seconds, 1e-9)
         return logs
+
+    def _maybe_save_inside(self, epoch, done, steps_per_epoch):
+        """Joins and saves `ckpt-<epoch>_<done>` where a save inside the
+        epoch is due (`checkpoint_every_*`; the epoch's end saves its
+        own)."""
+        if not (self._saver and self._cadence) or done >= steps_per_epoch:
+            return
+        if self._cadence.due(done):
+            self.coordinator.join()
+            self._saver.save(f"{epoch}_{done}")
+            self._cadence.saved(done)
 
     def _run_pass(self, loop, iterator):
         """Runs one `ServicePassPerEpoch` epoch (`data_service`, 4.-5.).
@@ -257,6 +277,7 @@ class EpochsMixin:
         self._epoch.assign(epoch + 1)
         if self._saver:
             self._saver.save(epoch + 1)
+            self._cadence.saved(0)
         if self._verbose == 2:
             show_all = any(
                 c.show_all
