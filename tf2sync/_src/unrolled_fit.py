@@ -7,6 +7,7 @@ import tf_keras
 
 from tf2sync._src import callbacks
 from tf2sync._src import data_service
+from tf2sync._src import keras_calls
 from tf2sync._src import loops
 from tf2sync._src import options as options_lib
 from tf2sync._src.internals import cluster_coordinator
@@ -62,6 +63,8 @@ def unroll_fit_steps(model, enabled: bool = True):
         bool.
     """
     _check_arguments(model, enabled)
+    # `fit`'s train function reads the call's data handler from its record.
+    keras_calls.install()
     unrolled = getattr(model, "_tf2sync_unrolled", None)
     if not enabled:
         if unrolled:
@@ -174,7 +177,7 @@ def _scheduler(model, coordinator, sync):
         return function
 
     def schedule(iterator):
-        handler = keras_training.running_fit_data_handler(model)
+        handler = keras_calls.fit_data_handler(model)
         steps = _steps_of_call(model, handler)
         service = data_service.pass_of(handler)
         first = not functions
@@ -452,7 +455,7 @@ def _steps_of_call(model, handler=None):
     does.
     """
     if handler is None:
-        handler = keras_training.running_fit_data_handler(model)
+        handler = keras_calls.fit_data_handler(model)
     increment = getattr(handler, "step_increment", None)
     if isinstance(increment, int) and increment >= 0:
         return increment + 1
