@@ -84,7 +84,10 @@ def _recorded(name, original):
 
     @functools.wraps(original)
     def recorded(*args, **kwargs):
-        arguments = signature.bind(*args, **kwargs).arguments
+        try:
+            arguments = signature.bind(*args, **kwargs).arguments
+        except TypeError:  # tf_keras's own error, as it words it
+            return original(*args, **kwargs)
         call = KerasCall(name, arguments["self"], {**defaults, **arguments})
         token = _CALLS.set(_CALLS.get() + (call,))
         try:
@@ -126,7 +129,8 @@ def handler_init(original):
             original(self, *args, **kwargs)
         finally:
             _HANDLERS.reset(token)
-        call = current(keras_fit.data_handler_model(self))
+        model = keras_fit.data_handler_model(self)
+        call = None if model is None else current(model)
         if call is not None and call.name == "fit":
             if call.training_handler is None:  # fit builds its own first
                 call.training_handler = self
