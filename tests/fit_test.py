@@ -12,6 +12,7 @@ from absl.testing import parameterized
 
 import tf2sync
 from tf2sync._src import coordinator as sync_coordinator
+from tf2sync._src import keras_calls
 from tf2sync._src import loops
 from tf2sync._src import unrolled_fit
 from tf2sync._src.internals import ps_strategy
@@ -434,14 +435,15 @@ class FitTest(parameterized.TestCase):
         model = _compiled(steps_per_execution=10)
         handler = mock.Mock(step_increment=3)  # a last call of 4 steps
 
-        class Caller:
-            def fit(self, data_handler):
-                return unrolled_fit._steps_of_call(model)
+        def fit(self, data_handler):  # recorded as tf_keras's fit is
+            # What `keras_calls.handler_init` marks once fit built it.
+            keras_calls.current(self).training_handler = data_handler
+            return unrolled_fit._steps_of_call(model)
 
-        caller = Caller()
-        self.assertEqual(Caller.fit(model, handler), 4)
-        # Another object's fit, or no fit on the stack: the variable.
-        self.assertEqual(caller.fit(handler), 10)
+        fit = keras_calls._recorded("fit", fit)
+        self.assertEqual(fit(model, handler), 4)
+        # Another object's fit, or no fit running: the variable.
+        self.assertEqual(fit(object(), handler), 10)
         self.assertEqual(unrolled_fit._steps_of_call(model), 10)
 
     def test_steps_per_execution_moves_off_the_ps_once_fit_starts(self):

@@ -1,9 +1,11 @@
 """internals: the private TF / tf_keras API, each piece without a cluster."""
 
+import inspect
 import sys
 import types
 from unittest import mock
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 from absl.testing import absltest
@@ -156,30 +158,23 @@ class ClusterResolverTest(absltest.TestCase):
         self.assertIs(ps_strategy.cluster_resolver(public), resolver)
 
 
-class StackTest(absltest.TestCase):
-    def test_caller_self_of_type_finds_the_nearest_caller(self):
-        class _Handler:
-            def call(self, inner):
-                return inner.call()
+class KerasFitTest(absltest.TestCase):
+    def test_the_exact_evaluation_handler_subclasses_the_coordinators(self):
+        handler = keras_fit.coordinator_handler_class()
+        exact = keras_fit.exact_evaluation_handler_class()
+        self.assertEqual(handler.__name__, "_ClusterCoordinatorDataHandler")
+        self.assertTrue(issubclass(exact, handler))
+        # `patches.data_handler_context` wraps the base's `__init__`: the
+        # subclass must reach it through `super().__init__`.
+        self.assertIn("super().__init__", inspect.getsource(exact.__init__))
 
-        class _Inner:
-            def call(self):
-                return keras_fit.caller_self_of_type("_Handler")
-
-        outer = _Handler()
-        self.assertIs(outer.call(_Inner()), outer)
-        self.assertIsNone(_Inner().call())
-
-    def test_running_fit_data_handler_is_that_models_fits(self):
-        model, handler = object(), object()
-
-        class Model:
-            def fit(self, data_handler):
-                return keras_training.running_fit_data_handler(model)
-
-        self.assertIs(Model.fit(model, handler), handler)
-        self.assertIsNone(Model().fit(handler))  # another object's fit
-        self.assertIsNone(keras_training.running_fit_data_handler(model))
+    def test_split_off_validation_is_the_last_examples(self):
+        x = np.arange(10).reshape(10, 1)
+        y = np.arange(10)
+        val_x, val_y, val_w = keras_fit.split_off_validation(x, y, None, 0.2)
+        np.testing.assert_array_equal(val_x, [[8], [9]])
+        np.testing.assert_array_equal(val_y, [8, 9])
+        self.assertIsNone(val_w)
 
 
 class VersionGateTest(absltest.TestCase):

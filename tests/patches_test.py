@@ -15,7 +15,7 @@ import tensorflow as tf
 import tf_keras
 from absl.testing import absltest
 
-from tf2sync._src import fit_inputs
+from tf2sync._src import keras_calls
 from tf2sync._src import sharding
 from tf2sync._src.internals import closures
 from tf2sync._src.internals import patch_kinds
@@ -120,10 +120,9 @@ def _cases():
             patches.h5_refuses_sharded, sharding.refusing_h5
         ),
         "nested_array_inputs": _global_case(patches.nested_array_inputs),
-        "fit_and_evaluate_inputs": _global_case(
-            patches.fit_and_evaluate_inputs,
-            fit_inputs._wrap_fit,
-            fit_inputs._wrap_evaluate,
+        "keras_calls": _global_case(patches.keras_calls, keras_calls.method),
+        "data_handler_context": _global_case(
+            patches.data_handler_context, keras_calls.handler_init
         ),
         "per_graph_read_cache": (
             lambda: patches.per_graph_read_cache.install(caching),

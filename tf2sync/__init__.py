@@ -22,9 +22,9 @@ if _console.is_launcher(_sys.argv):
 from tf2sync import compat  # noqa: E402
 from tf2sync import testing  # noqa: E402
 from tf2sync._src.callbacks import SyncMetrics  # noqa: E402
-from tf2sync._src.coordinator import OnePassPerEpoch  # noqa: E402
 from tf2sync._src.data_service import ServicePassPerEpoch  # noqa: E402
 from tf2sync._src.fit_checkpoint import SyncCheckpoint  # noqa: E402
+from tf2sync._src.fit_hooks import OnePassPerEpoch  # noqa: E402
 from tf2sync._src.multi_optimizer import MultiOptimizer  # noqa: E402
 from tf2sync._src.optimizer import SyncOptimizer  # noqa: E402
 from tf2sync._src.options import SyncOptions  # noqa: E402

@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf2sync._src.internals import keras_training
+from tf2sync._src import keras_calls
 
 
 def _is_sync_optimizer(optimizer) -> bool:
@@ -180,7 +180,7 @@ class SyncMetrics(tf_keras.callbacks.ProgbarLogger):
         # per epoch, not two.
         if any(
             isinstance(c, tf_keras.callbacks.ProgbarLogger) and c is not self
-            for c in keras_training.running_fit_callbacks(self.model)
+            for c in keras_calls.fit_callbacks(self.model)
         ):
             self.verbose = 0
         super().on_train_begin(logs)

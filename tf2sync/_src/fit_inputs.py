@@ -18,7 +18,7 @@ it takes on one machine. Installed when the first strategy is created,
   once per worker and the rest never. Not where tf_keras's exact
   evaluation cannot run (a model with its own `test_step`, or metrics of
   `add_metric`): there a finite input keeps needing `validation_steps` /
-  `steps` (refused in one line otherwise, `coordinator.py`).
+  `steps` (refused in one line otherwise, `fit_hooks.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import tensorflow as tf
 import tf_keras
 from absl import logging
 
+from tf2sync._src import keras_calls
 from tf2sync._src.internals import keras_fit
 from tf2sync._src.internals import patches
 from tf2sync._src.internals import ps_strategy
@@ -42,10 +43,11 @@ _DEFAULT_BATCH_SIZE = 32  # tf_keras's, for arrays without `batch_size`
 
 
 def install() -> None:
-    """Installs the patches `nested_array_inputs` and
-    `fit_and_evaluate_inputs` (idempotent)."""
+    """Installs the patch `nested_array_inputs` and `keras_calls`'s, with
+    this module's input hooks of `fit` and `evaluate` (idempotent)."""
     patches.nested_array_inputs.install()
-    patches.fit_and_evaluate_inputs.install(_wrap_fit, _wrap_evaluate)
+    keras_calls.install()
+    keras_calls.set_input_hooks(fit=_wrap_fit, evaluate=_wrap_evaluate)
 
 
 def _under_sync(model) -> bool:

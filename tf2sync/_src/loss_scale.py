@@ -23,6 +23,7 @@ from __future__ import annotations
 import tensorflow as tf
 import tf_keras
 
+from tf2sync._src import strategy as strategy_lib
 from tf2sync._src.internals import checkpoints
 from tf2sync._src.internals import mixed_precision
 
@@ -100,8 +101,6 @@ class SyncLossScaleOptimizer(mixed_precision.LegacyLossScaleOptimizer):
         `SyncOptimizer.from_config`), wrapped in tf_keras's own loss-scale
         optimizer of its family, with the same settings.
         """
-        from tf2sync._src import strategy as strategy_lib
-
         # The SyncOptimizer class, by its registered name: optimizer.py,
         # which defines it, imports this module.
         sync_class = tf_keras.utils.get_registered_object(

@@ -8,6 +8,7 @@ import tf_keras
 from tf2sync._src import aggregation
 from tf2sync._src import ema
 from tf2sync._src import keras_compat
+from tf2sync._src import loss_scale
 from tf2sync._src import strategy as strategy_lib
 from tf2sync._src.internals import checkpoints
 from tf2sync._src.internals import keras_optimizers
@@ -69,8 +70,6 @@ class SyncOptimizer(tf_keras.optimizers.legacy.Optimizer):
     _tf2sync_synchronous = True
 
     def __new__(cls, optimizer, *args, **kwargs):
-        from tf2sync._src import loss_scale
-
         if not loss_scale.wants_loss_scaling(optimizer):
             return super().__new__(cls)
         options = loss_scale.options_of(optimizer)

@@ -10,8 +10,9 @@ from absl import logging
 from tf2sync._src import config as config_lib
 from tf2sync._src import coordinator as coordinator_lib
 from tf2sync._src import first_use
-from tf2sync._src import fit_inputs
+from tf2sync._src import fit_hooks
 from tf2sync._src import graph_rewrites
+from tf2sync._src import keras_calls
 from tf2sync._src import liveness
 from tf2sync._src import options as options_lib
 from tf2sync._src import sharding
@@ -19,7 +20,6 @@ from tf2sync._src import step_context
 from tf2sync._src import watchdog
 from tf2sync._src.internals import autograph
 from tf2sync._src.internals import cluster_coordinator
-from tf2sync._src.internals import keras_fit
 from tf2sync._src.internals import keras_training
 from tf2sync._src.internals import patches
 from tf2sync._src.internals import ps_strategy
@@ -66,10 +66,10 @@ class _SyncExtended(ps_strategy.ParameterServerExtended):
         # except for tf_keras's exact evaluation, which shards a finite
         # dataset into functions that each read one shard to its end.
         cardinality = int(dataset.cardinality())
-        if cardinality >= 0 and not coordinator_lib.for_exact_evaluation():
+        if cardinality >= 0 and not keras_calls.building_exact_evaluation():
             raise ValueError(
-                coordinator_lib.finite_dataset_message(
-                    keras_fit.keras_input_role(), cardinality
+                fit_hooks.finite_dataset_message(
+                    keras_calls.input_role(), cardinality
                 )
             )
         return super()._experimental_distribute_dataset(dataset, options)
@@ -212,7 +212,7 @@ class SyncParameterServerStrategy(
         self._sync_config = config_lib.SyncConfig.create(
             replicas_to_aggregate, total_num_replicas
         )
-        fit_inputs.install()
+        fit_hooks.install()
         first_use.install(SyncParameterServerStrategy)
         if note := self._sync_config.backup_note():
             logging.info("tf2sync: %s", note)

@@ -9,6 +9,7 @@ import tf_keras
 
 from tf2sync._src import callbacks
 from tf2sync._src import data_service
+from tf2sync._src import keras_calls
 from tf2sync._src import loops
 from tf2sync._src import options as options_lib
 from tf2sync._src.internals import cluster_coordinator
@@ -64,6 +65,7 @@ def unroll_fit_steps(model, enabled: bool = True):
         bool.
     """
     _check_arguments(model, enabled)
+    keras_calls.install()  # fit's calls read their data handler there
     unrolled = getattr(model, "_tf2sync_unrolled", None)
     if not enabled:
         if unrolled:
@@ -176,7 +178,7 @@ def _scheduler(model, coordinator, sync):
         return function
 
     def schedule(iterator):
-        handler = keras_training.running_fit_data_handler(model)
+        handler = keras_calls.fit_data_handler(model)
         steps = _steps_of_call(model, handler)
         service = data_service.pass_of(handler)
         first = not functions
@@ -424,9 +426,9 @@ def _plan(coordinator, functions, handler):
     (`SyncCoordinator.plan_epoch`), at each epoch's first call: a function
     re-run after a worker fault then adds no update. `functions` are the
     call's (more than one when it runs as single steps or is split over
-    the workers: `_pieces`), all under the cap. A run that starts inside
-    an epoch (resumed) plans that epoch's steps left. A call whose epoch
-    has no known length lifts the cap instead (nothing to plan from)."""
+    the workers: `_pieces`), all under the cap. A run resumed inside an
+    epoch plans its steps left; a call whose epoch has no known length
+    lifts the cap (nothing to plan from)."""
     if not hasattr(coordinator, "plan_epoch"):
         return
     if data_service.pass_of(handler) is not None:
@@ -456,11 +458,10 @@ def _steps_of_call(model, handler=None):
     `steps_per_execution` it read, or fewer for an epoch's last call) just
     before the call. Reading them there saves a round trip to the ps per
     function; outside `fit` (or if tf_keras renamed them) the model's
-    `steps_per_execution` variable is read, as tf_keras's own function
-    does.
+    `steps_per_execution` variable is read, as tf_keras's function does.
     """
     if handler is None:
-        handler = keras_training.running_fit_data_handler(model)
+        handler = keras_calls.fit_data_handler(model)
     increment = getattr(handler, "step_increment", None)
     if isinstance(increment, int) and increment >= 0:
         return increment + 1

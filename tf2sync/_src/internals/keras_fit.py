@@ -2,7 +2,8 @@
 are doing now [2.21] [2.15: kept], for the coordinator.
 
 tf_keras's data handlers call the strategy's coordinator without saying
-who they are, nor for which call; the stack says (`sys._getframe`), and
+who they are, nor for which call: `keras_calls` records both (the
+patches `keras_calls` and `data_handler_context`), and this module reads
 the handlers' and adapters' private attributes. The hooks tf2sync puts on
 a handler, its adapter or its dataset creator are in `patches`
 (`epoch_end_hook`, `repeat_keras_arrays`, `new_iterator_each_epoch`).
@@ -11,109 +12,39 @@ a handler, its adapter or its dataset creator are in `patches`
 from __future__ import annotations
 
 import copy
-import sys
-import typing
 
 import tensorflow as tf
 import tf_keras
 from tf_keras.src.engine import data_adapter as keras_data_adapter
 
 
-def caller_self_of_type(type_name):
-    """The nearest caller's `self` whose class is named `type_name`, or None.
-
-    tf_keras's data handlers call the strategy without saying who they are;
-    the stack does (`sys._getframe`). If tf_keras renamed the class, this
-    finds nothing and each caller falls to its safe side. The names used
-    (`_ClusterCoordinatorDataHandler`, `..ExactEvalDataHandler`) [2.21].
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if type(owner).__name__ == type_name:
-            return owner
-        frame = frame.f_back
-    return None
+def coordinator_handler_class():
+    """tf_keras's `_ClusterCoordinatorDataHandler`, the data handler `fit`
+    and `evaluate` build under a coordinator (for `patches`) [2.21]."""
+    return keras_data_adapter._ClusterCoordinatorDataHandler
 
 
-def _keras_call(model):
-    """The nearest frame of `model`'s `fit`, `evaluate` or `predict` (any
-    tf_keras model's where `model` is None), or None (`sys._getframe`;
-    tf_keras's method names [2.21] [2.15])."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name in ("fit", "evaluate", "predict"):
-            owner = frame.f_locals.get("self")
-            if owner is model or (
-                model is None and isinstance(owner, tf_keras.Model)
-            ):
-                return frame
-        frame = frame.f_back
-    return None
+def exact_evaluation_handler_class():
+    """Its subclass for exact evaluation,
+    `_ClusterCoordinatorExactEvalDataHandler` [2.21]."""
+    return keras_data_adapter._ClusterCoordinatorExactEvalDataHandler
 
 
-def keras_entry_point(model):
-    """Which of `model`'s `fit`, `evaluate` or `predict` is running now
-    (the nearest on the stack: `evaluate` inside `fit` for its validation
-    data), or None."""
-    frame = _keras_call(model)
-    return None if frame is None else frame.f_code.co_name
+def should_validate(model, epoch, validation_freq) -> bool:
+    """Whether `fit` of `model` validates after `epoch` (0-based) for its
+    `validation_freq` (`_should_eval`; a bad `validation_freq` raises
+    ValueError) [2.21] [2.15]."""
+    return model._should_eval(epoch, validation_freq)
 
 
-def keras_input_role(model=None):
-    """What the input being built now is for: "fit" (its training data),
-    "validation" (`fit`'s `validation_data`), "evaluate", "predict", or
-    None outside them. `fit` builds its training data handler first, into
-    its local `data_handler`, and its validation one after [2.21] [2.15]."""
-    frame = _keras_call(model)
-    return None if frame is None else _input_role_of(frame)
-
-
-class FitValidation(typing.NamedTuple):
-    """What a running `fit` will validate on (`fit_validation`)."""
-
-    data: object  # `validation_data`, after `validation_split` made it
-    x: object  # its inputs, unpacked as tf_keras unpacks them
-    y: object  # its targets
-    steps: object  # `validation_steps`
-    validates: bool  # whether any epoch of this `fit` validates
-    split: object = None  # `validation_split`
-
-
-def fit_validation(model):
-    """A `FitValidation` of `model`'s `fit` while it builds its training
-    input, or None: outside `fit`, or once that input is built
-    (`keras_input_role`). tf_keras's argument and local names (`val_x`,
-    `val_y`), its truth test of `validation_data` and `_should_eval`
-    [2.21] [2.15]."""
-    frame = _keras_call(model)
-    if frame is None or _input_role_of(frame) != "fit":
-        return None
-    local = frame.f_locals
-    data = local.get("validation_data")
-    try:
-        validates = bool(data)
-    except ValueError:  # an array: tf_keras's own test refuses it
-        validates = True
-    if validates:
-        freq = local.get("validation_freq", 1)
-        try:
-            validates = any(
-                model._should_eval(epoch, freq)
-                for epoch in range(
-                    local.get("initial_epoch", 0), local.get("epochs", 1)
-                )
-            )
-        except ValueError:  # a bad validation_freq: tf_keras says so
-            validates = True
-    return FitValidation(
-        data,
-        local.get("val_x"),
-        local.get("val_y"),
-        local.get("validation_steps"),
-        validates,
-        local.get("validation_split"),
+def split_off_validation(x, y, sample_weight, validation_split):
+    """The `validation_data` that `fit` splits off its arrays for
+    `validation_split` (the last examples, unshuffled:
+    `train_validation_split`) [2.21]."""
+    _, validation = keras_data_adapter.train_validation_split(
+        (x, y, sample_weight), validation_split=validation_split
     )
+    return validation
 
 
 def is_keras_tensor_like(value) -> bool:
@@ -133,11 +64,6 @@ def keras_converts_for_coordinator(x, y) -> bool:
 
 # The name of the dataset function `nested_arrays_converter` makes.
 _NESTED_ARRAYS_CREATOR = "tf2sync_nested_arrays"
-
-
-def coordinator_handler_class():
-    """tf_keras's `_ClusterCoordinatorDataHandler` (for `patches`)."""
-    return keras_data_adapter._ClusterCoordinatorDataHandler
 
 
 def nested_arrays_converter(convert):
@@ -203,14 +129,6 @@ def forget_validation_data(model) -> None:
     data [2.21]."""
     if getattr(model, "_eval_data_handler", None) is not None:
         model._eval_data_handler = None
-
-
-def _input_role_of(frame):
-    """`keras_input_role` of a frame `_keras_call` found."""
-    name = frame.f_code.co_name
-    if name == "fit" and "data_handler" in frame.f_locals:
-        return "validation"
-    return name
 
 
 def replica_mean_loss(loss_fn):

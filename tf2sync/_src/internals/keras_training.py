@@ -9,8 +9,6 @@ end-of-epoch check of its logs (`epoch_logs_validator`) through
 
 from __future__ import annotations
 
-import sys
-
 from tensorflow.python.trackable import base as trackable
 from tf_keras.src.engine import training as keras_training
 
@@ -81,39 +79,6 @@ def fit_epoch_position(handler):
     if not isinstance(current, int) or not isinstance(total, int):
         return None
     return current, total
-
-
-def _running_fit_local(model, name):
-    """The local `name` of the frame of `fit` of `model` on the stack (None
-    if no such frame)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        code, names = frame.f_code, frame.f_locals
-        if code.co_name == "fit" and names.get("self") is model:
-            return names.get(name)
-        frame = frame.f_back
-    return None
-
-
-def running_fit_data_handler(model):
-    """The data handler of the `fit` of `model` on the stack, or None.
-
-    (The `data_handler` local of a frame of `fit` whose `self` is `model`,
-    through `sys._getframe`.) `fit` shows no public view of the call it
-    makes now.
-    """
-    return _running_fit_local(model, "data_handler")
-
-
-def running_fit_callbacks(model) -> list:
-    """The callbacks of the `fit` of `model` on the stack ([] if none).
-
-    (Its `callbacks` local, the `CallbackList` it made or was given, once
-    `fit` built it: from `on_train_begin` on.) A callback has no public
-    view of the others.
-    """
-    callbacks = _running_fit_local(model, "callbacks")
-    return list(getattr(callbacks, "callbacks", None) or [])
 
 
 def epoch_logs_validator(model):

@@ -133,24 +133,51 @@ nested_array_inputs = patch_kinds.GlobalPatch(
     refuses the others with a `NotImplementedError`, though its adapters
     read them (`keras_fit.nested_arrays_converter`).""",
     versions="[2.21]",
-    where="fit_inputs.install(), from SyncParameterServerStrategy.__init__",
+    where="fit_inputs.install(), from fit_hooks.install() (a "
+    "SyncParameterServerStrategy's __init__)",
 )
 
-fit_and_evaluate_inputs = patch_kinds.GlobalPatch(
-    "fit_and_evaluate_inputs",
-    [(tf_keras.Model, "fit"), (tf_keras.Model, "evaluate")],
-    lambda current, wrap_fit, wrap_evaluate: [
-        wrap_fit(current[0]),
-        wrap_evaluate(current[1]),
+keras_calls = patch_kinds.GlobalPatch(
+    "keras_calls",
+    [(tf_keras.Model, name) for name in ("fit", "evaluate", "predict")],
+    lambda current, wrap: [
+        wrap(name, method)
+        for name, method in zip(("fit", "evaluate", "predict"), current)
     ],
-    replaces="tf_keras.Model.fit and tf_keras.Model.evaluate",
-    why="""Wraps `fit` and `evaluate` with `fit_inputs`'s: under a
-    `SyncParameterServerStrategy` (other models call tf_keras's as they
-    are) `steps_per_epoch` is derived from arrays, and finite evaluation
-    data (arrays, finite datasets) is read by tf_keras's exact evaluation,
-    turned on for the call, so that every example is scored once.""",
+    replaces="tf_keras.Model.fit, tf_keras.Model.evaluate and "
+    "tf_keras.Model.predict",
+    why="""`install(wrap)`: each of them becomes `wrap(name, method)`
+    (`keras_calls.method`), which records the call it runs (which one,
+    the model, its arguments) for as long as it runs, for every model:
+    tf_keras's data handlers call the coordinator without saying for
+    which call. Under a `SyncParameterServerStrategy` the input hooks
+    `fit_inputs` registers rewrite the arguments of `fit` and `evaluate`
+    first (`steps_per_epoch` derived from arrays, finite evaluation data
+    read by tf_keras's exact evaluation); other models call tf_keras's
+    methods with their own arguments.""",
     versions="[2.21]",
-    where="fit_inputs.install(), from SyncParameterServerStrategy.__init__",
+    where="keras_calls.install(), from fit_inputs.install() (fit_hooks's, "
+    "from a SyncParameterServerStrategy's __init__) and "
+    "unrolled_fit.unroll_fit_steps",
+)
+
+data_handler_context = patch_kinds.GlobalPatch(
+    "data_handler_context",
+    [(keras_fit.coordinator_handler_class(), "__init__")],
+    lambda current, wrap: [wrap(current[0])],
+    replaces="tf_keras.src.engine.data_adapter."
+    "_ClusterCoordinatorDataHandler.__init__",
+    why="""`install(wrap)`: the handler's `__init__` becomes `wrap(it)`
+    (`keras_calls.handler_init`), which records the handler being built
+    (its exact evaluation subclass's too, whose `__init__` calls it) for
+    as long as it builds, and marks the first one a `fit` builds as its
+    training data handler. The handler builds its per-worker dataset in
+    `__init__` through the coordinator, which reads the record rather than
+    the call stack.""",
+    versions="[2.21]",
+    where="keras_calls.install(), from fit_inputs.install() (fit_hooks's, "
+    "from a SyncParameterServerStrategy's __init__) and "
+    "unrolled_fit.unroll_fit_steps",
 )
 
 whole_weights_in_keras_files = patch_kinds.GlobalPatch(
@@ -353,7 +380,7 @@ repeat_keras_arrays = patch_kinds.ObjectPatch(
     starts another pass instead. Its `dataset_fn` is replaced (by one
     `is_keras_arrays_creator` no longer recognises: never twice).""",
     versions="[2.21] [2.15]",
-    where="coordinator._repeat_training_arrays (fit of arrays)",
+    where="fit_hooks._repeat_training_arrays (fit of arrays)",
 )
 
 new_iterator_each_epoch = patch_kinds.ObjectPatch(
@@ -369,8 +396,8 @@ new_iterator_each_epoch = patch_kinds.ObjectPatch(
     epochs); the handler asks its adapter at every epoch
     (`enumerate_epochs`).""",
     versions="[2.21] [2.15]",
-    where="coordinator.SyncCoordinator.create_per_worker_dataset "
-    "(OnePassPerEpoch) and data_service.for_fit (ServicePassPerEpoch)",
+    where="fit_hooks.per_worker_dataset (OnePassPerEpoch) and "
+    "data_service.for_fit (ServicePassPerEpoch)",
 )
 
 
@@ -451,7 +478,8 @@ REGISTRY = {
         whole_weights_in_keras_files,
         h5_refuses_sharded,
         nested_array_inputs,
-        fit_and_evaluate_inputs,
+        keras_calls,
+        data_handler_context,
         per_graph_read_cache,
         extended_class,
         worker_failure_hook,
