@@ -310,7 +310,8 @@ class TrainerTest(parameterized.TestCase):
         trainer._verbose = 1  # the progress bar shows the same mean
         shown = io.StringIO()
         with contextlib.redirect_stdout(shown):
-            logs = trainer._run_epoch("loop", None, 2, "single")
+            # Epoch 0 from its step 0, 8 steps: 2 loops of 4.
+            logs = trainer._run_epoch("loop", None, (0, 0, 8), "single")
         # 4 single steps at 1.0 and one loop of 4 at 4.0: 2.5 a step.
         self.assertEqual(logs["loss"], 2.5)
         self.assertIn("2/2", shown.getvalue())

@@ -1,10 +1,11 @@
-"""What `Trainer` needs of its synchronous optimizer, for either kind.
+"""What `Trainer` and the launcher's chief need of their synchronous
+optimizer, for either kind.
 
-`Trainer` trains with a `tf2sync.SyncOptimizer` or with the TF1 shim
+They train with a `tf2sync.SyncOptimizer` or with the TF1 shim
 (`tf2sync.compat.v1.SyncReplicasOptimizer`). The two differ in where the
 global step lives, how a step applies its gradients, what is counted and
 how the step's copies are traced; `of(optimizer)` returns the one adapter
-that says it, so the trainer has no branch on the kind.
+that says it, so neither has a branch on the kind.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class KerasSync:
 
     tf1_order = False
     trace_once = True
+    counts = True  # stale, accepted per worker, over the plan (`totals`)
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
@@ -78,6 +80,11 @@ class Tf1Shim(KerasSync):
 
     tf1_order = True
     trace_once = False
+    counts = False  # TF1 counts its global step only
+
+    def __init__(self, optimizer, global_step=None):
+        super().__init__(optimizer)
+        self.global_step = global_step
 
     def build(self, strategy, model) -> None:
         with strategy.scope():
@@ -108,8 +115,13 @@ class Tf1Shim(KerasSync):
         self.optimizer.make_session_run_hook(is_chief=True).end()
 
 
-def of(optimizer):
-    """The adapter of `optimizer` (checked by `trainer_checks` before)."""
+def of(optimizer, global_step=None):
+    """The adapter of `optimizer` (checked by `trainer_checks` before).
+
+    `global_step`: the TF1 shim's where it exists already (under `fit`,
+    the compiled model's `optimizer.iterations`, which `fit` passes the
+    shim); `Tf1Shim.build` makes one otherwise. A `SyncOptimizer`'s is
+    its own `iterations`."""
     if isinstance(optimizer, compat_v1.SyncReplicasOptimizer):
-        return Tf1Shim(optimizer)
+        return Tf1Shim(optimizer, global_step)
     return KerasSync(optimizer)

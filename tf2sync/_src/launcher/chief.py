@@ -13,6 +13,7 @@ from absl import logging
 from tf2sync._src import config as config_lib
 from tf2sync._src import liveness
 from tf2sync._src import sharding
+from tf2sync._src import trainer_sync
 from tf2sync._src import watchdog
 from tf2sync._src.launcher import chief_report
 from tf2sync._src.launcher import job_contract
@@ -178,10 +179,12 @@ def train(resolver, job, config: ChiefConfig):
     A parameter server that dies surfaces as `tf.errors.UnavailableError`.
     With `checkpoint_dir`, the chief waits up to `ps_restart_timeout`
     seconds for every ps to answer again, rebuilds strategy, model and
-    optimizer on the restarted ps, restores the last epoch checkpoint and
-    continues: at most one epoch of work is lost. Errors a peer's restart
-    causes (`TRANSIENT_ERRORS`) resume the same way, at most
-    `MAX_TRANSIENT_RETRIES` times in a run, each logged in one line.
+    optimizer on the restarted ps, restores the newest checkpoint and
+    continues from it: at most the training since that save is redone (an
+    epoch, or less with `checkpoint_every_steps` / `checkpoint_every_s`).
+    Errors a peer's restart causes (`TRANSIENT_ERRORS`) resume the same
+    way, at most `MAX_TRANSIENT_RETRIES` times in a run, each logged in
+    one line.
     Without `checkpoint_dir`, when no ps comes back in time, or past the
     retries, it raises a `RuntimeError` naming the task in the error.
 
@@ -287,17 +290,11 @@ def _train_once(resolver, job, config: ChiefConfig):
     model, optimizer = _compiled_model(strategy, job, config, rta, total)
     _print_plan(config, num_workers, len(spec["ps"]), rta, total, steps)
     _print_shards(model)
-    shim = config.sync_optimizer == "tf1_shim"
-    seconds = _fit(model, job, config, steps, shim)
-    if shim:  # stop the shim's token watchdog before the cluster goes
-        optimizer.make_session_run_hook(is_chief=True).end()
+    sync = trainer_sync.of(optimizer, model.optimizer.iterations)
+    seconds = _fit(model, job, config, steps, sync)
+    sync.end()  # the shim's token watchdog stops before the cluster goes
     metrics = chief_report.evaluate(job, model)
-    if shim:
-        totals = chief_report.shim_totals(model, metrics, seconds)
-    else:
-        totals = chief_report.sync_totals(
-            optimizer, metrics, seconds, num_workers
-        )
+    totals = chief_report.sync_totals(sync, metrics, seconds, num_workers)
     totals["eval"] = metrics
     return totals
 
@@ -421,7 +418,7 @@ def _task_of(device: str) -> str:
     return f"{spec.job}:{spec.task}"
 
 
-def _fit(model, job, config: ChiefConfig, steps: int, shim: bool) -> float:
+def _fit(model, job, config: ChiefConfig, steps: int, sync) -> float:
     """Fits `model`, resuming from `config.checkpoint_dir` if it has one.
 
     Returns:
@@ -443,7 +440,7 @@ def _fit(model, job, config: ChiefConfig, steps: int, shim: bool) -> float:
         data = tf2sync.ServicePassPerEpoch(
             job_contract.call(job, "train_pass", batch), config.data_service
         )
-    callbacks = _callbacks(config, shim)
+    callbacks = _callbacks(config, sync)
     if hasattr(job, "callbacks"):  # the job's own (benchmarks/chaos.py)
         callbacks += job_contract.call(job, "callbacks")
     start = time.monotonic()
@@ -459,7 +456,7 @@ def _fit(model, job, config: ChiefConfig, steps: int, shim: bool) -> float:
     return time.monotonic() - start
 
 
-def _callbacks(config: ChiefConfig, shim: bool):
+def _callbacks(config: ChiefConfig, sync):
     """`fit`'s callbacks. With `config.checkpoint_dir`, a
     `tf2sync.SyncCheckpoint`: `fit` restores its newest save and starts
     where that save was, inside an epoch too."""
@@ -467,7 +464,7 @@ def _callbacks(config: ChiefConfig, shim: bool):
 
     batch = config.batch_size
     callbacks = []
-    if not shim:
+    if sync.counts:  # the TF1 shim's totals are its global step only
         callbacks.append(
             tf2sync.SyncMetrics(
                 batch_size=batch, verbose=config.verbose_sync_metrics

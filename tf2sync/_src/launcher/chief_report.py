@@ -8,7 +8,6 @@ synchronous counts, as `name=value` pairs that scripts parse.
 
 from __future__ import annotations
 
-from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import liveness
 from tf2sync._src import sharding
 from tf2sync._src.launcher import job_contract
@@ -51,46 +50,30 @@ def _metrics_text(metrics: dict) -> str:
     return " ".join(f"{k}={v:.4f}" for k, v in final_metrics(metrics).items())
 
 
-def shim_totals(model, metrics, seconds: float):
-    """The TF1 shim's totals, printed and returned."""
-    # TF1's global step (the checkpointed `optimizer.iterations`) counts
-    # every update of this run and of the runs it resumed; the shim does
-    # not count stale gradients (TF1 drops them silently).
-    totals = {
-        **final_metrics(metrics),
-        "sync_steps_applied": int(model.optimizer.iterations.numpy()),
-        "seconds": round(seconds, 2),
-    }
-    print(
-        f"{_metrics_text(metrics)} "
-        f"sync_steps_applied={totals['sync_steps_applied']}",
-        flush=True,
-    )
-    return totals
-
-
-def sync_totals(optimizer, metrics, seconds: float, num_workers: int):
-    """The `SyncOptimizer`'s totals, printed and returned."""
-    counts = callbacks_lib.sync_totals(optimizer)
+def sync_totals(sync, metrics, seconds: float, num_workers: int):
+    """The totals of `sync` (a `trainer_sync` adapter), printed and
+    returned: the job's metrics, the updates applied (the global step,
+    with the runs this one resumed), and what the optimizer counts: the
+    TF1 shim nothing else (TF1 drops stale gradients silently)."""
+    counts = sync.totals()
     totals = {
         **final_metrics(metrics),
         "sync_steps_applied": counts["sync_steps"],
-        "stale_gradients_dropped": counts["stale_dropped"],
-        "accepted_per_worker": [
-            counts[f"accepted_w{i}"] for i in range(num_workers)
-        ],
-        "over_plan_dropped": counts["over_plan_dropped"],
-        "seconds": round(seconds, 2),
     }
-    # Pushes of functions re-run after a fault, dropped once an epoch had
-    # its planned updates (see `Aggregator.plan_updates`).
-    over = totals["over_plan_dropped"]
-    print(
-        f"{_metrics_text(metrics)} "
-        f"sync_steps_applied={totals['sync_steps_applied']} "
-        f"stale_gradients_dropped={totals['stale_gradients_dropped']} "
-        f"accepted_per_worker={totals['accepted_per_worker']}"
-        + (f" over_plan_dropped={over}" if over else ""),
-        flush=True,
-    )
+    line = f"{_metrics_text(metrics)} sync_steps_applied={counts['sync_steps']}"
+    if sync.counts:
+        totals["stale_gradients_dropped"] = counts["stale_dropped"]
+        totals["accepted_per_worker"] = [
+            counts[f"accepted_w{i}"] for i in range(num_workers)
+        ]
+        totals["over_plan_dropped"] = over = counts["over_plan_dropped"]
+        line += (
+            f" stale_gradients_dropped={totals['stale_gradients_dropped']}"
+            f" accepted_per_worker={totals['accepted_per_worker']}"
+        )
+        # Pushes of functions re-run after a fault, dropped once an epoch
+        # had its planned updates (see `Aggregator.plan_updates`).
+        line += f" over_plan_dropped={over}" if over else ""
+    totals["seconds"] = round(seconds, 2)
+    print(line, flush=True)
     return totals
