@@ -34,10 +34,7 @@ DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "pss_async_fit")
 SCENARIOS = (
     "main",
     "straggler",
-    "scaling",
-    "model_size",
     "memory",
-    "accuracy",
     "sharding",
     "startup",
 )

@@ -9,7 +9,7 @@ the report gives ratios of medians. The harness imports TensorFlow only
 to start its subprocesses (tf2sync's helpers), never to measure.
 
 Systems of the scenario `main`: see `scenarios.SYSTEM_TEXT`. Scenarios:
-`main`, `straggler`, `scaling`, `model_size`, `accuracy` (scenarios.py),
+`main`, `straggler` (scenarios.py),
 `memory`, `sharding` (memory.py), `startup` (startup.py); `sharding` (w4,
 a 2,000,000 x 32 embedding on 2 ps: ~4 min and ~1.8 GB per ps) and
 `startup` (30 fresh processes, ~6 min) are not in the default run.
@@ -104,22 +104,8 @@ _FLAGS = {
     "straggler_workload": ("w2", "w1", "Workload of the straggler scenario."),
     "straggler_factor": (3.0, None, "Worker 0 sleeps this x its compute."),
     "straggler_functions": (12, 3, "Timed functions per straggler run."),
-    "model_widths": (
-        ["64", "256", "1024", "4096"],
-        ["64", "256"],
-        "Hidden units of w1 (model_size).",
-    ),
-    "scaling_workers": (["1", "2", "3", "4"], ["1", "2"], "Workers (scaling)."),
     "memory_workers": (["1", "2", "3", "4"], ["1", "2"], "Workers (memory)."),
     "memory_repeats": (3, 1, "Runs of each memory cell (state: medians)."),
-    "accuracy_target": (0.95, None, "Held-out accuracy to reach on digits."),
-    "accuracy_epochs": (12, 2, "Epochs per time-to-accuracy run."),
-    "accuracy_learning_rates": (
-        ["0.05", "0.1"],
-        None,
-        "Momentum SGD rates each system trains digits at (accuracy): the "
-        "target compares the systems at the first and each at its best.",
-    ),
     "sharding_rows": (2_000_000, 2_000, "Embedding rows of w4 (sharding)."),
     "startup_workloads": (
         ["w1", "digits"],
@@ -170,7 +156,6 @@ _FLAGS = {
         "from it, as <system>@baseline, interleaved with the current tree's.",
     ),
 }
-_FLOATS = ("accuracy_learning_rates",)
 _DEFINE = {list: flags.DEFINE_list, bool: flags.DEFINE_bool}
 _DEFINE |= {int: flags.DEFINE_integer, float: flags.DEFINE_float}
 for _name, (_default, _, _help) in _FLAGS.items():
@@ -199,17 +184,12 @@ def _numbers(values, kind):
         return False
 
 
-for _name in ("scaling_workers", "model_widths", "memory_workers"):
+for _name in ("memory_workers",):
     flags.register_validator(
         _name,
         lambda v: _numbers(v, int),
         message=f"--{_name} must be a list of positive integers.",
     )
-flags.register_validator(
-    "accuracy_learning_rates",
-    lambda v: _numbers(v, float),
-    message="--accuracy_learning_rates must be a list of positive numbers.",
-)
 
 
 @flags.validator("baseline_tree")
@@ -238,9 +218,9 @@ def _settings():
         value = flags.FLAGS[name].value
         if flags.FLAGS.smoke and not flags.FLAGS[name].present:
             value = value if smoke_value is None else smoke_value
-        if name.endswith(("_workers", "_widths")):
+        if name.endswith("_workers"):
             value = [int(v) for v in value]
-        values[name] = [float(v) for v in value] if name in _FLOATS else value
+        values[name] = value
     functions = {
         w: 3 if flags.FLAGS.smoke else n for w, n in _DEFAULT_FUNCTIONS.items()
     }
@@ -291,10 +271,7 @@ def _run(bench, s):
         scenarios.scenario_main(bench, workload)
     for name, run in (
         ("straggler", scenarios.scenario_straggler),
-        ("scaling", scenarios.scenario_scaling),
-        ("model_size", scenarios.scenario_model_size),
         ("memory", memory.scenario_memory),
-        ("accuracy", scenarios.scenario_accuracy),
         ("sharding", memory.scenario_sharding),
         ("startup", startup.scenario_startup),
     ):

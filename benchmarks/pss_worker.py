@@ -9,8 +9,7 @@ Commands (see `procs.serve`):
 
 * `setup(key, system, workload, k, **options)` builds and warms up a
   runner (options: `rta`, `total` and `delay_factor` for loops; `shards`:
-  variables partitioned with `FixedShardsPartitioner(shards)`; `epochs`,
-  `target` and `learning_rate` for workload `digits`); it answers the
+  variables partitioned with `FixedShardsPartitioner(shards)`); it answers the
   bytes of the runner's variables and slots on each ps (`ps_bytes`);
 * `run(key, functions, window=False)` times it.
 
@@ -88,15 +87,6 @@ class _Server:
         common = (workload, k, self.kind)
         if system == "local":
             runner = systems.LocalRunner(workload, self.workers, k, self.kind)
-        elif workload == "digits":
-            runner = systems.AccuracyRunner(
-                lambda: self._strategy(sync),
-                sync=sync,
-                k=k,
-                epochs=options["epochs"],
-                target=options["target"],
-                learning_rate=options["learning_rate"],
-            )
         elif "_fit" in system:
             strategy = self._strategy(sync, shards=options.get("shards"))
             keras_loop = system.endswith("_keras_loop")

@@ -23,7 +23,6 @@ TARGETS = (
     scenarios.main_targets,
     scenarios.straggler_targets,
     memory.memory_targets,
-    scenarios.accuracy_targets,
     startup.startup_targets,
     memory.sharding_targets,
 )
@@ -31,10 +30,7 @@ SECTIONS = (
     ("Throughput (2 workers + 1 ps)", scenarios.main_section),
     ("Before and after", scenarios.before_after_section),
     ("Straggler", scenarios.straggler_section),
-    ("Scaling", scenarios.scaling_section),
-    ("Model size", scenarios.model_size_section),
     ("ps memory", memory.memory_section),
-    ("Time to accuracy", scenarios.accuracy_section),
     ("Sharding (w4 on 2 ps)", memory.sharding_section),
     ("Time to the first update", startup.startup_section),
 )

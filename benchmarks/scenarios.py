@@ -5,10 +5,6 @@
   `<system>@baseline`).
 * `straggler`: 3 workers, worker 0 sleeping `straggler_factor` x its
   compute time per step: tf2sync with 0 and 1 backup worker, stock PSS.
-* `scaling`: the step cost of tf2sync's custom loop with 1..4 workers (w1).
-* `model_size`: tf2sync's custom loop and stock PSS on w1 with 64..4096
-  hidden units, 2 workers.
-* `accuracy`: time to a held-out accuracy on digits, tf2sync vs stock PSS.
 
 A run writes records (`driver.Bench`); `*_targets(records)` and
 `*_section(records)` read them (blocks for `tables.lines`).
@@ -71,10 +67,6 @@ MAIN_FORMS = (
 BASELINE = "@baseline"
 BASELINE_KEEP = 0.95
 STRAGGLER_KEEP = 0.9  # tf2sync with 1 backup: with / without, at least
-# Issue 21: tf2sync's `fit` reaches the digits target no later than stock
-# PSS's (seconds, medians), at the first rate and each at its best.
-ACCURACY_AT_MOST = 1.0
-ACCURACY_UNRECORDED_RATE = 0.05  # of runs recorded before the grid
 
 
 def scenario_main(bench, workload, workers=2):
@@ -177,78 +169,6 @@ def scenario_straggler(bench, workers=3):
     bench.run_all(endpoints, functions, base, extra, window=True)
 
 
-def scenario_scaling(bench, workload="w1"):
-    """The step cost of tf2sync's custom loop with 1..4 workers."""
-    s = bench.s
-    base = {
-        "scenario": "scaling",
-        "workload": workload,
-        "steps_per_function": s.k,
-        "functions": s.functions[workload],
-    }
-    endpoints, extra = [], {}
-    for n in s.scaling_workers:
-        child = bench.start_pss(f"pss_scaling_{n}w", n)
-        name = f"tf2sync_loop_{n}w"
-        args = {"system": "tf2sync_loop", "workload": workload, "k": s.k}
-        endpoints.append(Endpoint(name, "pss", [child], args, n))
-        extra[name] = {"config": "tf2sync_loop", "workers": n}
-    bench.run_all(endpoints, s.functions[workload], base, extra)
-
-
-def scenario_model_size(bench, workers=2):
-    """tf2sync's loop and stock PSS on w1 as its hidden layer widens."""
-    s = bench.s
-    base = {
-        "scenario": "model_size",
-        "workers": workers,
-        "steps_per_function": s.k,
-        "functions": s.functions["w1"],
-    }
-    endpoints, extra = [], {}
-    for width in s.model_widths:
-        workload = f"w1_h{width}"
-        child = bench.start_pss(f"pss_size_{width}", workers)
-        for system in ("tf2sync_loop", "pss_async"):
-            name = f"{system}_h{width}"
-            args = {"system": system, "workload": workload, "k": s.k}
-            endpoints.append(Endpoint(name, "pss", [child], args, workers))
-            extra[name] = {
-                "config": system,
-                "workload": workload,
-                "width": width,
-                # 32 -> width relu -> 10 (workloads.py, not imported here).
-                "parameters": 32 * width + width + width * 10 + 10,
-            }
-    bench.run_all(endpoints, s.functions["w1"], base, extra)
-
-
-def scenario_accuracy(bench, workers=2):
-    """Time to accuracy on digits (systems.AccuracyRunner), fresh models
-    each repeat, each system at each rate of `accuracy_learning_rates`."""
-    s = bench.s
-    base = {
-        "scenario": "accuracy",
-        "workload": "digits",
-        "workers": workers,
-        "steps_per_function": s.k,
-        "learning_rates": list(s.accuracy_learning_rates),
-    }
-    child = bench.start_pss("pss_accuracy", workers)
-    options = {"epochs": s.accuracy_epochs, "target": s.accuracy_target}
-    endpoints, extra = [], {}
-    for rate in s.accuracy_learning_rates:
-        for system in ("tf2sync_fit", "pss_async_fit"):
-            # The name keys its runner on the child; the record names the
-            # system and the rate.
-            name = f"{system}_lr{rate:g}"
-            args = {"system": system, "workload": "digits", "k": s.k}
-            args.update(options, learning_rate=rate)
-            endpoints.append(Endpoint(name, "pss", [child], args, workers))
-            extra[name] = {"system": system, "learning_rate": rate}
-    bench.run_all(endpoints, 0, base, extra)
-
-
 # -- targets --------------------------------------------------------------
 
 
@@ -274,52 +194,6 @@ def straggler_targets(records):
     kept = straggler_kept(records).get("tf2sync_b1")
     name = "straggler: tf2sync 1 backup, with / without the straggler"
     return [target(name, kept, ">=", STRAGGLER_KEEP)]
-
-
-def accuracy_targets(records):
-    """At the grid's first learning rate, and each system at its best."""
-
-    def row(condition, value):
-        name = f"digits: seconds to the accuracy target{condition}, "
-        return target(name + "tf2sync_fit / pss_async_fit", value, "<=", 1.0)
-
-    found = accuracy_runs(records)
-    if not found:
-        return [row("", None)]
-
-    def seconds_of(key):
-        values = [r.get("seconds_to_target") for r in found.get(key, [])]
-        if any(v is None for v in values):
-            return float("inf")  # a missed run: the median would hide it
-        return median(values)
-
-    def best(system):
-        """(seconds, rate) of the system's fastest rate, or None."""
-        cells = [(seconds_of(key), key[1]) for key in found if key[0] == system]
-        return min(cells, default=None)
-
-    some = next(iter(found.values()))[0]
-    first = some.get("learning_rates", [ACCURACY_UNRECORDED_RATE])[0]
-    ours = seconds_of(("tf2sync_fit", first))
-    theirs = seconds_of(("pss_async_fit", first))
-    value = None if None in (ours, theirs) else ratio(ours, theirs)
-    rows = [row(f" at learning rate {first:g}", value)]
-    grid = sorted({rate for _, rate in found})
-    if len(grid) > 1:
-        ours, theirs = best("tf2sync_fit"), best("pss_async_fit")
-        value = ratio(ours[0], theirs[0]) if ours and theirs else None
-
-        def where(name, cell):
-            if cell[0] == float("inf"):
-                return f"{name} missed at every rate"
-            return f"{name} at {cell[1]:g}"
-
-        at = ""
-        if ours and theirs:
-            at = f" ({where('tf2sync', ours)}, {where('stock', theirs)})"
-        listed = ", ".join(f"{r:g}" for r in grid)
-        rows.append(row(f", each at its best rate of {listed}{at}", value))
-    return rows
 
 
 # -- report sections ------------------------------------------------------
@@ -569,117 +443,5 @@ def straggler_section(records):
         "All workers share this machine's cores: a sleeping worker frees "
         "CPU for the others, which favours every configuration that does "
         "not wait for it more than it would on separate machines.",
-        (header, rows),
-    ]
-
-
-def _step_ms(r):
-    return 1e3 * r["seconds"] / max(1, r["steps"])
-
-
-def scaling_section(records):
-    per = {}
-    for r in runs(records, "scaling"):
-        per.setdefault(r["workers"], []).append(r)
-    if not per:
-        return []
-    base = median([_step_ms(r) for r in per[min(per)]])
-    rows = []
-    for n in sorted(per):
-        ms = median([_step_ms(r) for r in per[n]])
-        rate = median([r["examples_per_sec"] for r in per[n]])
-        rows.append([n, fmt(ms, ".2f"), fmt(rate), fmt(ratio(ms, base), ".2f")])
-    header = ["workers", "median ms / sync step", "median ex/s"]
-    header.append(f"step cost vs {min(per)} worker(s)")
-    return [
-        "tf2sync custom loop on w1, replicas_to_aggregate = total = workers;"
-        " a step is one synchronous update (N gradients), all workers on "
-        "this machine.",
-        (header, rows),
-    ]
-
-
-def model_size_section(records):
-    per = {}
-    for r in runs(records, "model_size"):
-        cells = per.setdefault((r["width"], r["parameters"]), {})
-        cells.setdefault(r["config"], []).append(r)
-    if not per:
-        return []
-    first = min(per)
-    base = median([_step_ms(r) for r in per[first].get("tf2sync_loop", [])])
-    rows = []
-    for (width, parameters), cells in sorted(per.items()):
-        sync = cells.get("tf2sync_loop", [])
-        ms = median([_step_ms(r) for r in sync])
-        ours = median([r["examples_per_sec"] for r in sync])
-        theirs = median(
-            [r["examples_per_sec"] for r in cells.get("pss_async", [])]
-        )
-        rows.append(
-            [
-                width,
-                f"{parameters:,}",
-                fmt(ms, ".2f"),
-                fmt(ratio(ms, base), ".2f"),
-                fmt(ours),
-                fmt(theirs),
-                fmt(ratio(ours, theirs), ".2f"),
-            ]
-        )
-    header = ["hidden units", "parameters", "tf2sync ms / sync step"]
-    header += [f"vs {first[0]} units", "tf2sync ex/s", "pss_async ex/s"]
-    header.append("tf2sync / pss_async")
-    return [
-        "w1 (32 -> H relu -> 10, batch 32 per worker), 2 workers + 1 ps; "
-        "tf2sync's custom loop (a step is one synchronous update of 2 "
-        "gradients) and stock asynchronous PSS, interleaved.",
-        (header, rows),
-    ]
-
-
-def accuracy_runs(records):
-    """{(system, learning rate): [runs]} of the accuracy scenario."""
-    found = {}
-    for r in runs(records, "accuracy"):
-        rate = r.get("learning_rate", ACCURACY_UNRECORDED_RATE)
-        found.setdefault((r["system"], rate), []).append(r)
-    return found
-
-
-def accuracy_section(records):
-    found = accuracy_runs(records)
-    if not found:
-        return []
-    target_value = next(iter(found.values()))[0]["target"]
-    rows = []
-    for (system, rate), rs in sorted(found.items(), key=lambda i: i[0][1]):
-        curves = [r["curve"] for r in rs]
-        epoch_s = [b[0] - a[0] for c in curves for a, b in zip(c, c[1:])]
-        missed = sum(r["epochs_to_target"] is None for r in rs)
-        rows.append(
-            [
-                f"`{system}`",
-                f"{rate:g}",
-                fmt(median([r["epochs_to_target"] for r in rs]), ".1f"),
-                fmt(median([r["seconds_to_target"] for r in rs]), ".2f"),
-                fmt(median([c[0][0] for c in curves]), ".3f"),
-                fmt(median(epoch_s), ".3f"),
-                fmt(median([r["final_accuracy"] for r in rs]), ".4f"),
-                f"{len(rs)} ({missed} missed)",
-            ]
-        )
-    header = ["system", "learning rate", f"epochs to {target_value}"]
-    header += [f"seconds to {target_value}", "1st epoch s"]
-    header += ["s / epoch (after the 1st)", "final accuracy", "runs"]
-    return [
-        "scikit-learn digits (the launcher's default job: conv net, "
-        "1,500 training and 297 held-out images), `model.fit`, 2 workers, "
-        "batch 32 per worker, legacy momentum SGD (momentum 0.9) at each "
-        f"rate, {len(curves[0])} epochs of 1,500 examples; held-out "
-        "accuracy after each epoch, off the clock. Seconds include the first "
-        "epoch's one-off tracing (larger for tf2sync); medians over the "
-        "repeats. At one rate a synchronous epoch makes half the updates of "
-        "an asynchronous one (each the mean of 2 replicas' gradients).",
         (header, rows),
     ]

@@ -198,14 +198,14 @@ def _model(workload):
 
 
 def _optimizer(workload):
-    if workload == "digits":  # systems.AccuracyRunner's
+    if workload == "digits":
         return tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9)
     return workloads.optimizer("legacy")
 
 
 def _batch(workload):
     if workload == "digits":
-        return systems.DIGITS_BATCH
+        return 32
     if workload == "resnet50":
         return RESNET_BATCH
     return workloads.batch(workload)
@@ -399,7 +399,7 @@ class _Server:
         return result
 
     def _fit(self, model, opt, workload, batch, k, rounds, start):
-        if workload == "digits":  # as AccuracyRunner and the launcher
+        if workload == "digits":  # as the launcher
             data = tf.keras.utils.experimental.DatasetCreator(
                 lambda ctx: digits.train_dataset(ctx, batch)
             )

@@ -7,8 +7,7 @@ seconds and examples/s; synchronous systems count only aggregated
 gradients (accepted pushes x per-worker batch), asynchronous ones every
 applied step. `LocalRunner`: one process, global batch N x B;
 `LoopRunner`: a custom loop on a `ClusterCoordinator`, K steps per
-function, stock or tf2sync; `FitRunner`: `model.fit`; `AccuracyRunner`:
-time to a held-out accuracy on digits.
+function, stock or tf2sync; `FitRunner`: `model.fit`.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import tf2sync  # noqa: E402
 from tf2sync._src import loops  # noqa: E402
 from tf2sync._src import sharding  # noqa: E402
 from tf2sync._src.callbacks import sync_totals  # noqa: E402
-from tf2sync._src.jobs import digits  # noqa: E402
 
 WARMUP_FUNCTIONS = 4
 _POLL_SECONDS = 0.02
@@ -361,94 +359,3 @@ class FitRunner:
             for _ in coordinator._cluster.workers:
                 coordinator.schedule(_nothing)
             coordinator.join()
-
-
-DIGITS_BATCH = 32
-
-
-class _AccuracyClock(tf.keras.callbacks.Callback):
-    """Training seconds at each epoch's end, evaluation off the clock."""
-
-    def __init__(self, evaluate):
-        super().__init__()
-        self.evaluate = evaluate
-        self.curve = []
-
-    def on_train_begin(self, logs=None):
-        self.seconds = 0.0
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds += time.perf_counter() - self.start
-        self.curve.append((round(self.seconds, 3), self.evaluate()))
-        self.start = time.perf_counter()
-
-
-class AccuracyRunner:
-    """The launcher's default job (`jobs.digits`: a small conv net, 1,500
-    training and 297 held-out images through a `DatasetCreator`), a fresh
-    model on a fresh strategy (`make_strategy()`) per run, `model.fit`
-    with momentum SGD at `learning_rate`, synchronous (tf2sync, `sync`) or
-    not, for `epochs`; after each epoch the held-out accuracy, off the
-    clock. At one rate a synchronous epoch makes 1 / N of an asynchronous
-    one's updates, so the harness runs both over a grid of rates.
-    """
-
-    def __init__(
-        self, make_strategy, *, sync, k, epochs, target, learning_rate
-    ):
-        self.make_strategy = make_strategy
-        self.sync, self.k, self.epochs = sync, k, epochs
-        self.target, self.learning_rate = target, learning_rate
-        self.x, self.y = digits.eval_arrays()
-        self.local = None
-
-    def _accuracy(self, model):
-        self.local.set_weights(model.get_weights())
-        predicted = tf.argmax(self.local(self.x), axis=-1).numpy()
-        return round(float((predicted == self.y).mean()), 4)
-
-    def run(self, functions=None, window=False):
-        del functions, window
-        strategy = self.make_strategy()
-        if self.local is None:  # after connecting: it lives on the chief
-            self.local = digits.build_model()
-        with strategy.scope():
-            model = digits.build_model()
-            inner = tf.keras.optimizers.legacy.SGD(
-                self.learning_rate, momentum=0.9
-            )
-            opt = tf2sync.SyncOptimizer(inner) if self.sync else inner
-            model.compile(
-                optimizer=opt, loss=digits.LOSS, steps_per_execution=self.k
-            )
-        data = tf.keras.utils.experimental.DatasetCreator(
-            lambda ctx: digits.train_dataset(ctx, DIGITS_BATCH)
-        )
-        steps = digits.num_train_examples() // DIGITS_BATCH
-        clock = _AccuracyClock(lambda: self._accuracy(model))
-        model.fit(
-            data,
-            epochs=self.epochs,
-            steps_per_epoch=steps,
-            verbose=0,
-            callbacks=[clock],
-        )
-        reached = [
-            (epoch + 1, s)
-            for epoch, (s, acc) in enumerate(clock.curve)
-            if acc >= self.target
-        ]
-        return {
-            "target": self.target,
-            "learning_rate": self.learning_rate,
-            "epochs_to_target": reached[0][0] if reached else None,
-            "seconds_to_target": reached[0][1] if reached else None,
-            "final_accuracy": clock.curve[-1][1],
-            "curve": clock.curve,
-            "examples": self.epochs * steps * DIGITS_BATCH,
-            "seconds": clock.seconds,
-            "examples_per_sec": round(
-                self.epochs * steps * DIGITS_BATCH / clock.seconds, 1
-            ),
-        }

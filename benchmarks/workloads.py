@@ -9,7 +9,6 @@
   much again in momentum), otherwise w3, batch 128 per worker; run with its
   variables partitioned over 2 ps (the sharding scenario). `w4_r<ROWS>` is
   w4 with ROWS embedding rows (the smoke run's tiny table).
-* w1_h<H>: w1 with H hidden units (the model-size sweep; w1 is w1_h64).
 
 Embedding tables are initialized by a callable (tf_keras's `uniform`, which
 takes `partition_shape`): under a partitioner each shard's initial value is
@@ -30,13 +29,11 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 WORKLOADS = ("w1", "w2", "w3", "w4")
-WIDTHS = (64, 256, 1024, 4096)  # hidden units of the model-size sweep
 VOCAB = 100_000
 # Embedding rows: w3's; "w3_x4", w3 with a table 4 x as large (the memory
 # scenario's control: what grows with the table); w4's.
 VOCABS = {"w3": VOCAB, "w3_x4": 4 * VOCAB, "w4": 2_000_000}
 BATCH = {"w1": 32, "w2": 64} | {w: 128 for w in VOCABS}
-BATCH |= {f"w1_h{h}": 32 for h in WIDTHS}
 EMBED_DIM = 32
 IDS_PER_EXAMPLE = 20
 LEARNING_RATE = 0.01
@@ -63,11 +60,10 @@ def build_model(workload: str) -> tf.keras.Model:
     """The workload's tf_keras model (create it under the strategy scope)."""
     tf.keras.utils.set_random_seed(SEED)
     layers = tf.keras.layers
-    if workload == "w1" or workload.startswith("w1_h"):
-        width = 64 if workload == "w1" else int(workload[len("w1_h") :])
+    if workload == "w1":
         return tf.keras.Sequential(
             [
-                layers.Dense(width, activation="relu", input_shape=(32,)),
+                layers.Dense(64, activation="relu", input_shape=(32,)),
                 layers.Dense(10),
             ]
         )
