@@ -1,36 +1,5 @@
-"""Chaos run: faults injected at random times inside epochs, tabulated.
-
-Each run trains `tests/fault_job.py` through the launcher on 127.0.0.1
-(ps and worker tasks, then a chief, each a process of its own, ended by
-PID) and injects its fault when the global step reaches a random point
-inside an epoch (seeded; the seed is printed). Every replica of `fault_job`
-sees the same full batch, so a run that applied U updates must hold
-exactly the weights of U single-process steps: a run off that trajectory
-applied an update twice, or a stale one.
-
-Faults (--faults, default all):
-  none                a baseline run, no fault (its "stall" is the longest
-                      normal pause: epoch ends, checkpoints).
-  worker_kill         SIGKILL of a worker, restarted --restart_delay s
-                      later, no backup (2 workers, 2 of 2).
-  worker_kill_backup  the same with one backup worker (3 workers,
-                      --replicas_to_aggregate=2 --total_num_replicas=3).
-  ps_kill             SIGKILL of the ps, restarted --restart_delay s later.
-  chief_kill          SIGKILL of the chief, restarted (same flags, with
-                      --checkpoint_dir) --restart_delay s later.
-  worker_freeze       SIGSTOP of a worker for --freeze_seconds, then
-                      SIGCONT (the chief gets --worker_timeout when the
-                      launcher has that flag).
-  combined            the four faults above in one run, one per epoch
-                      after the first, the kills in random order, the
-                      freeze last.
-  launcher_kill       `python -m tf2sync` in local mode (it starts its own
-                      ps and workers) killed with SIGKILL mid-epoch: its
-                      task processes still alive 5 s later are left
-                      behind (this harness then ends them by PID).
-
-The chief records the global step as it moves (`fault_job.callbacks()`,
-TF2SYNC_PROGRESS_FILE), and the final step and weights after its last join.
+"""Chaos run: faults injected at random times inside epochs, tabulated
+(docs/benchmarks.md#faults says what each fault and column is).
 
   python benchmarks/chaos.py --repeats=3 --output=docs/faults.md
   python benchmarks/chaos.py --faults=worker_freeze --results=/tmp/c.json
@@ -85,57 +54,41 @@ FAULTS = {
 _COMBINED = ["worker_kill", "ps_kill", "chief_kill", "worker_freeze"]
 _SHORT_FAULTS = ["worker_kill", "launcher_kill"]
 
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per fault.")
-_FAULTS = flags.DEFINE_list(
-    "faults", list(FAULTS), f"Faults to inject, of {', '.join(FAULTS)}."
-)
-_EPOCHS = flags.DEFINE_integer("epochs", 3, "Epochs per run.")
-_STEPS_PER_EPOCH = flags.DEFINE_integer(
-    "steps_per_epoch",
-    3000,
-    "Pushes (replica steps) per epoch: 3000 take ~7 s on 2 cores after the "
-    "first function's tracing (~14 s), so that a task restarted 5 s after "
-    "its fault comes back inside the run.",
-)
-_STEPS_PER_EXECUTION = flags.DEFINE_integer(
-    "steps_per_execution", 10, "Steps per scheduled function."
-)
-_FREEZE_SECONDS = flags.DEFINE_float(
-    "freeze_seconds", 240.0, "How long worker_freeze keeps a worker stopped."
-)
-_RESTART_DELAY = flags.DEFINE_float(
-    "restart_delay", 5.0, "Seconds before a killed task is restarted."
-)
-_WORKER_TIMEOUT = flags.DEFINE_float(
-    "worker_timeout", 10.0, "The chief's --worker_timeout, if it has one."
-)
-_NUM_PS = flags.DEFINE_integer(
-    "num_ps",
-    1,
-    "Parameter servers. With 2 or more, fault_job's 4 variables sit round "
-    "robin on them and ps_kill kills a ps drawn at random.",
-)
-_TOKEN_TIMEOUT = flags.DEFINE_float(
-    "token_timeout", None, "Passed to the chief if set (else its default)."
-)
-_RUN_TIMEOUT = flags.DEFINE_float(
-    "run_timeout", 900.0, "Seconds a run may take before it is abandoned."
-)
+# name: (default, its --short value (None: the same), help).
+_FLAGS = {
+    "repeats": (3, 1, "Runs per fault."),
+    "faults": (list(FAULTS), _SHORT_FAULTS, f"Of {', '.join(FAULTS)}."),
+    "epochs": (3, 2, "Epochs per run."),
+    "steps_per_epoch": (
+        3000,
+        200,
+        "Pushes per epoch (3000: ~7 s on 2 cores, so that a task restarted "
+        "5 s after its fault comes back inside the run).",
+    ),
+    "steps_per_execution": (10, None, "Steps per scheduled function."),
+    "num_ps": (1, None, "ps tasks (fault_job's variables round robin)."),
+    "freeze_seconds": (240.0, None, "How long worker_freeze stops a worker."),
+    "restart_delay": (5.0, None, "Seconds before a killed task restarts."),
+    "worker_timeout": (10.0, None, "The chief's --worker_timeout."),
+    "token_timeout": (-1.0, None, "The chief's --token_timeout (-1: its own)."),
+    "run_timeout": (900.0, None, "Seconds before a run is abandoned."),
+    "keep": (False, None, "Keep each run's directory."),
+}
+_DEFINE = {int: flags.DEFINE_integer, float: flags.DEFINE_float}
+_DEFINE |= {list: flags.DEFINE_list, bool: flags.DEFINE_bool}
+for _name, (_default, _, _help) in _FLAGS.items():
+    _DEFINE[type(_default)](_name, _default, _help)
 _SEED = flags.DEFINE_integer("seed", None, "RNG seed (default: random).")
 _RESULTS = flags.DEFINE_string(
     "results",
     None,
-    "JSON file of runs: those in it kept, this invocation's added, and the "
+    "JSON file of runs: those in it kept, this invocation's added, the "
     "table made from all (one table from several shorter invocations).",
 )
 _OUTPUT = flags.DEFINE_string("output", None, "Also write the table here.")
 _SHORT = flags.DEFINE_boolean(
-    "short",
-    False,
-    f"The CI version: --faults={','.join(_SHORT_FAULTS)} --repeats=1 "
-    "--epochs=2 --steps_per_epoch=200 (flags given explicitly win).",
+    "short", False, "The CI version (the values in `_FLAGS`; given flags win)."
 )
-_KEEP = flags.DEFINE_boolean("keep", False, "Keep each run's directory.")
 
 _APPLIED = re.compile(r"sync_steps_applied=(\d+)")
 _PIDS = re.compile(r"local task pids=\[([\d, ]*)\]")
@@ -227,17 +180,6 @@ def _stall(update_times, start, end):
     """Longest pause without an update from `start` to `end`."""
     points = [start, *[t for t in update_times if start < t <= end], end]
     return max(b - a for a, b in zip(points, points[1:]))
-
-
-def _launcher_has(flag):
-    out = subprocess.run(
-        [sys.executable, "-m", "tf2sync", "--helpfull"],
-        capture_output=True,
-        text=True,
-        env=procutil.ENV,
-        timeout=120,
-    )
-    return f"--{flag}" in out.stdout + out.stderr
 
 
 @functools.cache
@@ -585,28 +527,15 @@ def table(outcomes):
 
 
 def _settings():
-    short = _SHORT.value
-    present = {name for name in flags.FLAGS if flags.FLAGS[name].present}
-
-    def pick(holder, short_value):
-        if short and holder.name not in present:
-            return short_value
-        return holder.value
-
-    return {
-        "repeats": pick(_REPEATS, 1),
-        "faults": pick(_FAULTS, list(_SHORT_FAULTS)),
-        "epochs": pick(_EPOCHS, 2),
-        "steps_per_epoch": pick(_STEPS_PER_EPOCH, 200),
-        "steps_per_execution": _STEPS_PER_EXECUTION.value,
-        "num_ps": _NUM_PS.value,
-        "freeze_seconds": _FREEZE_SECONDS.value,
-        "restart_delay": _RESTART_DELAY.value,
-        "worker_timeout": _WORKER_TIMEOUT.value,
-        "token_timeout": _TOKEN_TIMEOUT.value,
-        "run_timeout": _RUN_TIMEOUT.value,
-        "keep": _KEEP.value,
-    }
+    settings = {}
+    for name, (_, short, _) in _FLAGS.items():
+        value = flags.FLAGS[name].value
+        if _SHORT.value and short is not None and not flags.FLAGS[name].present:
+            value = list(short) if isinstance(short, list) else short
+        settings[name] = value
+    if settings["token_timeout"] < 0:
+        settings["token_timeout"] = None
+    return settings
 
 
 def main(argv):
@@ -623,11 +552,6 @@ def run_all(settings):
     unknown = [f for f in settings["faults"] if f not in FAULTS]
     if unknown:
         raise app.UsageError(f"Unknown --faults {unknown}; of {list(FAULTS)}")
-    if settings["worker_timeout"] is not None and not _launcher_has(
-        "worker_timeout"
-    ):
-        print("chaos: the launcher has no --worker_timeout; not passed.")
-        settings["worker_timeout"] = None
     seed = _SEED.value if _SEED.value is not None else random.randrange(2**31)
     print(f"chaos: seed={seed} {json.dumps(settings)}", flush=True)
     rng = random.Random(seed)
@@ -659,7 +583,7 @@ def run_all(settings):
 
 
 def write_doc(path, text, outcomes):
-    """Writes docs/faults.md: how to reproduce, the table, its caption."""
+    """Writes docs/faults.md: how to reproduce, the setting, the table."""
     s = outcomes[0].settings
     invocations = {}
     for o in outcomes:
@@ -669,76 +593,22 @@ def write_doc(path, text, outcomes):
         f"--repeats={v['repeats']} --seed={seed}"
         + (
             f" --freeze_seconds={v['freeze_seconds']:g}"
-            if v["freeze_seconds"] != _FREEZE_SECONDS.default
+            if v["freeze_seconds"] != _FLAGS["freeze_seconds"][0]
             else ""
         )
         + " --results=/tmp/chaos.json"
         for seed, v in invocations.items()
     )
     seconds = [o.seconds for o in outcomes]
-    timeouts = _timeouts(s)
     with open(path, "w") as f:
         f.write(
-            "# Fault injection\n\n"
-            "    python benchmarks/chaos.py --repeats=3 "
-            "--output=docs/faults.md\n\n"
-            "runs every fault (about 40 min on 2 cores). This table was "
-            "made from shorter invocations (each under 10 min, the RNG seed "
-            "printed and given), merged through --results, the last with "
-            "--output:\n\n"
-            f"{commands}\n\n"
-            f"Each run trains `tests/fault_job.py` for {s['epochs']} epochs "
-            f"x {s['steps_per_epoch']} pushes (replica steps), "
-            f"steps_per_execution={s['steps_per_execution']}, on 2 workers "
-            "(3 with the backup) and 1 ps (rows that say 2 ps: 2, "
-            "fault_job's 4 variables round robin on them, a ps_kill's ps "
-            "drawn at random), each task a process on 127.0.0.1 "
-            "started by `benchmarks/chaos.py` and ended by PID; the chief "
-            f"runs with --checkpoint_dir{timeouts}, the launcher's defaults "
-            "otherwise. Its fault is injected when the global step reaches "
-            "a random point (10-90 %) inside a random epoch, not at an "
-            "epoch boundary; a killed task is restarted at its address "
-            f"{s['restart_delay']:g} s later. The chief records the global "
-            "step every 50 ms (`fault_job.callbacks()`, which the chief "
-            "adds to `fit`'s callbacks) and the final step and weights "
-            "after the last epoch's join.\n\n" + text + "\n\n"
-            "- **completed**: the chief (the restarted one, if killed) "
-            "exited 0 with its totals. For the launcher: the fault was "
-            "injected mid-epoch.\n"
-            "- **applied twice**: runs whose final weights are off the "
-            "trajectory. Every replica sees the same full batch, so a run "
-            "that applied U updates must hold exactly the weights of U "
-            "single-process steps (a clean run matches bit for bit; "
-            "tolerance 1e-6, while one update more moves a "
-            "weight by 5e-5 even at 4,500 updates): an update applied "
-            "twice, or a stale gradient applied, would move them off.\n"
-            "- **updates over the plan**: applied updates minus the plan, "
-            "epochs x pushes / replicas_to_aggregate, when positive "
-            "(functions run again after a fault must not add updates).\n"
-            "- **work lost**: the plan minus the applied updates, when "
-            "positive: pushes whose gradients were never applied (dropped "
-            "as stale, or left incomplete in a round a dead or frozen "
-            "worker never finished), so the run ends with fewer updates "
-            "than asked. With the backup worker (2 of 3) a third of the "
-            "pushes are surplus by design: about 1/3 of the plan is "
-            '"lost" without any fault.\n'
-            "- **updates redone**: updates rolled back to the last epoch "
-            "checkpoint by a ps or chief restart and applied again "
-            "(counted once in the applied updates).\n"
-            "- **seconds stalled**: the longest pause without an applied "
-            "update from the injection to the end of training (or the next "
-            "fault), per injection. The baseline row is the longest pause "
-            "of a run without faults (an epoch's end, its checkpoint). For "
-            "a ps or chief it includes the restart delay, and the new "
-            "chief's start and first function's tracing (~15 s).\n"
-            "- **processes left behind**: processes of the run still "
-            "running when it ended: a chief that did not exit, a task "
-            "surviving SIGKILL, and for the launcher its local ps and "
-            "worker tasks alive 5 s after the launcher's SIGKILL (this "
-            "harness then ends them by PID).\n"
-            "- **seconds per run**: wall time of a run, start to teardown "
-            f"(all runs: {min(seconds):.0f}-{max(seconds):.0f} s).\n"
-            + _failures(outcomes)
+            "# Fault injection\n\nMerged through --results from:\n\n"
+            f"{commands}\n\n{s['epochs']} epochs x {s['steps_per_epoch']} "
+            f"pushes, steps_per_execution={s['steps_per_execution']}, 2 "
+            f"workers (3 with the backup), the chief with --checkpoint_dir"
+            f"{_timeouts(s)}; runs of {min(seconds):.0f}-{max(seconds):.0f} "
+            "s. What the faults and columns are: [benchmarks.md]"
+            "(benchmarks.md#faults).\n\n" + text + "\n" + _failures(outcomes)
         )
 
 

@@ -31,20 +31,6 @@ SYSTEMS = (
 PSS_SYSTEMS = tuple(s for s in SYSTEMS if s.startswith(("tf2sync", "pss")))
 # The main scenario's default: all but stock PSS through `fit`.
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "pss_async_fit")
-SCENARIOS = (
-    "main",
-    "straggler",
-    "scaling",
-    "model_size",
-    "memory",
-    "accuracy",
-    "sharding",
-    "startup",
-)
-# The default: all but `sharding` (w4's 2 x 512 MB of tables and momentum
-# on 2 ps, ~4 min more on 2 cores) and `startup` (30 fresh processes, ~6
-# min).
-DEFAULT_SCENARIOS = SCENARIOS[:-2]
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # A baseline tree's own worker (--baseline_tree): it imports that tree's
 # tf2sync and its own benchmarks/ modules, and speaks the same protocol.
@@ -68,15 +54,8 @@ class Sink:
 
 
 class Endpoint:
-    """One system on its subprocess(es): set up once, then timed runs.
-
-    `kind` is "pss" (a key on a pss_worker child), "tf1" or "mwms" (every
-    child gets each command). A run does the same work whatever the system,
-    functions x K x B examples: PSS systems schedule `functions` functions
-    of K steps (each on one worker); `local` and `mwms` run functions / N
-    functions of K steps of N x B examples; `tf1_sync` trains until its
-    global step rose by functions x K / N (N x B examples each).
-    """
+    """One system on its subprocess(es): set up once, then timed runs of
+    the same work whatever the system (docs/benchmarks.md)."""
 
     def __init__(self, name, kind, children, setup_args, workers=1):
         self.name = name
@@ -112,15 +91,8 @@ class Endpoint:
 
 
 def balanced_order(count, round_index):
-    """The order of `count` systems in round `round_index`.
-
-    A Williams design: over `count` rounds (`2 * count` where `count` is
-    odd) each system runs right after each other one equally often. A
-    system can leave work running when its run returns (the harness
-    charges every child's CPU to the run in progress); a rotation of one
-    order (A B C, B C A, ...) always put the same system before another,
-    and an identical tree measured 0.962 x itself in such runs.
-    """
+    """The order of `count` systems in round `round_index`: a Williams
+    design, each system right after each other one equally often."""
     first, low, high = [0], 1, count - 1
     while len(first) < count:
         if len(first) % 2:
@@ -154,9 +126,9 @@ class Bench:
     def start_pss(
         self, name, workers, local_workers=2, cluster_spec=None, **options
     ):
-        """A pss_worker.py child (options: `optimizer`, `ps`, and `tree`,
-        a checkout whose own worker runs with PYTHONPATH=tree, so that it
-        imports that tree's tf2sync)."""
+        """A pss_worker.py child (options: `optimizer`, `ps`, `hold_time`,
+        and `tree`, a checkout whose own worker runs with PYTHONPATH=tree,
+        so that it imports that tree's tf2sync)."""
         args = [
             f"--workers={workers}",
             f"--local_workers={local_workers}",
@@ -164,6 +136,8 @@ class Bench:
         ]
         if options.get("ps", 1) != 1:
             args.append(f"--ps={options['ps']}")
+        if options.get("hold_time"):
+            args.append("--hold_time")
         if cluster_spec:
             args.append("--cluster_spec=" + json.dumps(cluster_spec))
         tree = options.get("tree")

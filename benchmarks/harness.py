@@ -1,44 +1,17 @@
 """Benchmarks: tf2sync against what users would run instead, in one run.
 
-Every system runs on the same machine and cluster shape (2 workers + 1 ps
-on 127.0.0.1 unless said otherwise), each in subprocesses that this harness
-starts, drives over stdin/stdout and ends by PID. Each system is built and
-warmed up once; then the repeats are interleaved, each system after each
-other one equally often, so that machine noise hits all systems alike, and
-the report gives ratios of medians. The harness imports TensorFlow only
-to start its subprocesses (tf2sync's helpers), never to measure.
+Each system is built once in subprocesses this harness starts (and ends by
+PID), then the repeats are interleaved; the report (benchmarks.md, JSON
+lines, a plot) gives ratios of medians and each target as PASS or MISS.
+docs/benchmarks.md says what each scenario measures and how to read it.
 
-Systems of the scenario `main`: see `scenarios.SYSTEM_TEXT`. Scenarios:
-`main`, `straggler`, `scaling`, `model_size`, `accuracy` (scenarios.py),
-`memory`, `sharding` (memory.py), `startup` (startup.py); `sharding` (w4,
-a 2,000,000 x 32 embedding on 2 ps: ~4 min and ~1.8 GB per ps) and
-`startup` (30 fresh processes, ~6 min) are not in the default run.
-
-Before and after (--baseline_tree=PATH, e.g. a git worktree of the
-previous commit): every tf2sync system of the main scenario also runs from
-PATH, as `<system>@baseline` (PATH/benchmarks/pss_worker.py with
-PYTHONPATH=PATH, on a cluster of its own), interleaved in the same rounds
-as the current tree's; the report adds "Before and after" (current /
-baseline, PASS at >= 0.95 for the median of the rounds' own ratios).
-
-Synchronous systems count aggregated examples only (accepted gradients x
-B); asynchronous ones count every applied step. Writes JSON lines, a
-Markdown report (targets with PASS / MISS) and, when matplotlib imports, a
-PNG plot under --output_dir (default docs/).
-
-  python benchmarks/harness.py          # the full run: ~20 min, 2 cores
+  python benchmarks/harness.py          # the default scenarios: ~20 min
   python benchmarks/harness.py --smoke --output_dir=/tmp/b   # ~1 min
   python benchmarks/harness.py --from_jsonl=docs/benchmarks.jsonl
-  python benchmarks/harness.py --scenarios=main --workloads=w1 --repeats=3
-      --systems=local,tf2sync_loop,tf2sync_fit,pss_async,pss_async_fit
-      # the quick tf2sync against stock PSS
-  python benchmarks/harness.py --scenarios=startup --output_dir=/tmp/bt
-  python benchmarks/harness.py --scenarios=sharding --repeats=3
-      --functions=w4:20 --output_dir=/tmp/bs    # w4 alone: ~4 min
-  python benchmarks/harness.py --scenarios=main --output_dir=/tmp/ba
-      --systems=local,tf2sync_fit,tf2sync_loop,tf1_sync
-      --baseline_tree=/tmp/base --clusters=3   # before and after (one
-      command line; 3 builds of every process: one build cannot decide 5 %)
+  python benchmarks/harness.py --scenarios=sharding --functions=w4:20
+  python benchmarks/harness.py --scenarios=ps_scaling --repeats=3
+  python benchmarks/harness.py --scenarios=main --baseline_tree=/tmp/base
+      --systems=local,tf2sync_fit,tf2sync_loop,tf1_sync --clusters=3
 """
 
 from __future__ import annotations
@@ -64,158 +37,118 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _DOCS = os.path.join(os.path.dirname(_HERE), "docs")
 _DEFAULT_FUNCTIONS = {"w1": 60, "w2": 16, "w3": 30, "w4": 30}
 _STARTUP_SYSTEMS = startup.SYSTEMS + startup.EXTRA_SYSTEMS
-# name: (default, its value under --smoke (None: the same), help). A list
-# of numbers becomes ints (floats: `_FLOATS`) in the settings.
+# Each scenario's run, in the order run; the last three are not in the
+# default run (sharding ~4 min and ~1.8 GB per ps, ps_scaling ~8 min,
+# startup 30 fresh processes, ~6 min).
+SCENARIOS = {
+    "main": lambda bench: [
+        scenarios.scenario_main(bench, w) for w in bench.s.workloads
+    ],
+    "straggler": scenarios.scenario_straggler,
+    "memory": memory.scenario_memory,
+    "sharding": memory.scenario_sharding,
+    "ps_scaling": scenarios.scenario_ps_scaling,
+    "startup": startup.scenario_startup,
+}
+_PS_SYSTEMS = ("tf2sync_loop", "tf2sync_fit", "pss_async_unrolled", "tf1_sync")
+# name: (default, its value under --smoke (None: the same), help).
 _FLAGS = {
-    "workloads": (
-        list(scenarios.WORKLOADS),
-        ["w1"],
-        "Workloads of the main scenario (w4 runs in --scenarios=sharding).",
-    ),
+    "workloads": (list(scenarios.WORKLOADS), ["w1"], "Of the main scenario."),
     "systems": (
         list(driver.DEFAULT_SYSTEMS),
         None,
-        f"Systems of the main scenario, of {', '.join(driver.SYSTEMS)}.",
+        f"Of the main scenario, of {', '.join(driver.SYSTEMS)}.",
     ),
-    "scenarios": (
-        list(driver.DEFAULT_SCENARIOS),
-        ["main"],
-        f"Of {', '.join(driver.SCENARIOS)} (not in the default: sharding, "
-        "startup).",
-    ),
+    "scenarios": (list(SCENARIOS)[:3], ["main"], f"Of {', '.join(SCENARIOS)}."),
     "repeats": (5, 1, "Interleaved repeats."),
     "clusters": (
         1,
         None,
-        "Main scenario: builds its processes (every system's cluster) this "
-        "many times, each after the last is ended, and runs --repeats "
-        "interleaved repeats on each; medians span them all. A system keeps "
-        "the speed of its build for all repeats on it: use 3 or more for a "
-        "before/after within 5 %.",
+        "Main scenario: build its processes this many times, each running "
+        "--repeats repeats (use 3 or more for a before/after within 5 %).",
     ),
     "functions": (
         [],
         None,
-        "Timed functions of K steps per run (the work of one run: functions "
-        "x K x B examples, whatever the system), per workload (w2:8) or one "
-        f"int for all; default {_DEFAULT_FUNCTIONS} (--smoke: 3).",
+        "Timed functions of K steps per run, per workload (w2:8) or one int "
+        f"for all; default {_DEFAULT_FUNCTIONS} (--smoke: 3).",
     ),
     "steps_per_function": (10, 2, "K: steps per function."),
     "straggler_workload": ("w2", "w1", "Workload of the straggler scenario."),
     "straggler_factor": (3.0, None, "Worker 0 sleeps this x its compute."),
     "straggler_functions": (12, 3, "Timed functions per straggler run."),
-    "model_widths": (
-        ["64", "256", "1024", "4096"],
-        ["64", "256"],
-        "Hidden units of w1 (model_size).",
-    ),
-    "scaling_workers": (["1", "2", "3", "4"], ["1", "2"], "Workers (scaling)."),
     "memory_workers": (["1", "2", "3", "4"], ["1", "2"], "Workers (memory)."),
     "memory_repeats": (3, 1, "Runs of each memory cell (state: medians)."),
-    "accuracy_target": (0.95, None, "Held-out accuracy to reach on digits."),
-    "accuracy_epochs": (12, 2, "Epochs per time-to-accuracy run."),
-    "accuracy_learning_rates": (
-        ["0.05", "0.1"],
-        None,
-        "Momentum SGD rates each system trains digits at (accuracy): the "
-        "target compares the systems at the first and each at its best.",
-    ),
     "sharding_rows": (2_000_000, 2_000, "Embedding rows of w4 (sharding)."),
+    "ps_counts": (["1", "2", "3", "4"], ["2"], "ps counts (ps_scaling)."),
+    "ps_workloads": (["w1", "w3"], ["w1"], "Workloads (ps_scaling)."),
+    "ps_systems": (list(_PS_SYSTEMS), None, "Systems (ps_scaling)."),
+    "ps_functions": (20, 3, "Timed functions per ps_scaling run."),
     "startup_workloads": (
         ["w1", "digits"],
         ["w1"],
-        "Workloads of the startup scenario, of "
-        f"{', '.join(startup.WORKLOADS)}.",
+        f"Of the startup scenario, of {', '.join(startup.WORKLOADS)}.",
     ),
     "startup_systems": (
         list(startup.SYSTEMS),
         None,
-        f"Systems of the startup scenario, of {', '.join(_STARTUP_SYSTEMS)}.",
+        f"Of the startup scenario, of {', '.join(_STARTUP_SYSTEMS)}.",
     ),
     "startup_repeats": (3, 1, "Fresh processes per startup cell."),
-    "startup_rounds": (
-        3,
-        1,
-        "Steady-state rounds (one function per worker) timed after the "
-        "first functions, in each startup run.",
-    ),
+    "startup_rounds": (3, 1, "Steady rounds timed per startup run."),
     "worker_gpus": (
         0,
         None,
-        "GPUs each training worker task uses (tf2sync and stock PSS workers, "
-        "MultiWorkerMirroredStrategy's): 0 keeps every task on CPU. Workers "
-        "share the machine's GPUs (GPU i mod count), with memory growth; "
-        "the ps stay on CPU (benchmarks/gpu_check.sh).",
+        "GPUs each training worker uses (shared modulo the machine's; ps "
+        "on CPU; benchmarks/gpu_check.sh); 0: CPU only.",
     ),
     "timeout": (300.0, 120.0, "Seconds one command to a subprocess may take."),
-    "output_dir": (
-        None,
-        None,
-        "Where benchmarks.md, benchmarks.jsonl and img/benchmarks.png go "
-        "(default: docs/; with --smoke: a new temporary directory).",
-    ),
+    "output_dir": (None, None, "Default: docs/ (--smoke: a temp dir)."),
     "subprocess_logs": (None, None, "Subprocess logs (default: a temp dir)."),
-    "smoke": (
-        False,
-        None,
-        "A few seconds of everything requested: w1, 1 repeat, 3 functions "
-        "of 2 steps, scenario main (unless given explicitly).",
-    ),
+    "smoke": (False, None, "A few seconds of everything requested."),
     "from_jsonl": (None, None, "Only rewrite the report from these lines."),
     "baseline_tree": (
         None,
         None,
-        "A checkout of the library to compare with (its tf2sync/ and "
-        "benchmarks/): each tf2sync system of the main scenario also runs "
-        "from it, as <system>@baseline, interleaved with the current tree's.",
+        "A checkout to compare with: each tf2sync system of the main "
+        "scenario also runs from it, as <system>@baseline, interleaved.",
     ),
 }
-_FLOATS = ("accuracy_learning_rates",)
+_INTS = ("memory_workers", "ps_counts")
 _DEFINE = {list: flags.DEFINE_list, bool: flags.DEFINE_bool}
 _DEFINE |= {int: flags.DEFINE_integer, float: flags.DEFINE_float}
 for _name, (_default, _, _help) in _FLAGS.items():
     _DEFINE.get(type(_default), flags.DEFINE_string)(_name, _default, _help)
+    if type(_default) is int:
+        _low = 0 if _name == "worker_gpus" else 1
+        flags.register_validator(
+            _name,
+            lambda v, low=_low: v >= low,
+            message=f"--{_name} must be {'positive' if _low else '>= 0'}.",
+        )
 flags.DEFINE_enum(
     "optimizer",
     "legacy",
     ["legacy", "keras"],
-    "tf_keras momentum SGD family: legacy (fused kernels and lazy sparse "
-    "momentum, as TF1's MomentumOptimizer) or keras (dense momentum).",
+    "Momentum SGD: legacy (fused, lazy sparse momentum) or keras (dense).",
 )
-for _name, (_default, _, _) in _FLAGS.items():
-    if type(_default) is int:
-        lowest = 0 if _name == "worker_gpus" else 1
-        flags.register_validator(
-            _name,
-            lambda v, lowest=lowest: v >= lowest,
-            message=f"--{_name} must be {'positive' if lowest else '>= 0'}.",
-        )
 
 
-def _numbers(values, kind):
-    try:
-        return bool(values) and all(0 < kind(v) < float("inf") for v in values)
-    except ValueError:
-        return False
+def _positive_ints(values):
+    return bool(values) and all(v.isdigit() and int(v) > 0 for v in values)
 
 
-for _name in ("scaling_workers", "model_widths", "memory_workers"):
+for _name in _INTS:
     flags.register_validator(
         _name,
-        lambda v: _numbers(v, int),
+        _positive_ints,
         message=f"--{_name} must be a list of positive integers.",
     )
-flags.register_validator(
-    "accuracy_learning_rates",
-    lambda v: _numbers(v, float),
-    message="--accuracy_learning_rates must be a list of positive numbers.",
-)
 
 
 @flags.validator("baseline_tree")
 def _baseline_tree_ok(path):
-    """A directory with tf2sync/ and benchmarks/pss_worker.py (absl prints
-    a `ValidationError` as one line naming the flag and its value)."""
+    """A directory with tf2sync/ and benchmarks/pss_worker.py."""
     if path is None:
         return True
     if not os.path.isdir(path):
@@ -238,9 +171,7 @@ def _settings():
         value = flags.FLAGS[name].value
         if flags.FLAGS.smoke and not flags.FLAGS[name].present:
             value = value if smoke_value is None else smoke_value
-        if name.endswith(("_workers", "_widths")):
-            value = [int(v) for v in value]
-        values[name] = [float(v) for v in value] if name in _FLOATS else value
+        values[name] = [int(v) for v in value] if name in _INTS else value
     functions = {
         w: 3 if flags.FLAGS.smoke else n for w, n in _DEFAULT_FUNCTIONS.items()
     }
@@ -266,7 +197,9 @@ def _check(s):
     for name, allowed in (
         ("workloads", scenarios.WORKLOADS),
         ("systems", driver.SYSTEMS),
-        ("scenarios", driver.SCENARIOS),
+        ("scenarios", SCENARIOS),
+        ("ps_workloads", scenarios.WORKLOADS),
+        ("ps_systems", _PS_SYSTEMS),
         ("startup_workloads", startup.WORKLOADS),
         ("startup_systems", _STARTUP_SYSTEMS),
     ):
@@ -284,22 +217,6 @@ def _check(s):
             "scenario's tf2sync systems; select --scenarios=main and a "
             "tf2sync_* system."
         )
-
-
-def _run(bench, s):
-    for workload in s.workloads if "main" in s.scenarios else []:
-        scenarios.scenario_main(bench, workload)
-    for name, run in (
-        ("straggler", scenarios.scenario_straggler),
-        ("scaling", scenarios.scenario_scaling),
-        ("model_size", scenarios.scenario_model_size),
-        ("memory", memory.scenario_memory),
-        ("accuracy", scenarios.scenario_accuracy),
-        ("sharding", memory.scenario_sharding),
-        ("startup", startup.scenario_startup),
-    ):
-        if name in s.scenarios:
-            run(bench)
 
 
 def main(argv):
@@ -326,7 +243,10 @@ def main(argv):
     sink.write({**config, "machine": report.machine(), **vars(s)})
     start = time.monotonic()
     try:
-        _run(driver.Bench(s, registry, sink), s)
+        bench = driver.Bench(s, registry, sink)
+        for name, run in SCENARIOS.items():
+            if name in s.scenarios:
+                run(bench)
     finally:
         registry.stop_all()
         sink.write(

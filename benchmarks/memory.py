@@ -1,12 +1,6 @@
-"""The ps scenarios: each one's run, targets and report section.
-
-* `memory`: the RSS of a ps running as its own process (w3), 1..4 workers.
-* `sharding`: w4 (a 2,000,000 x 32 embedding) partitioned over 2 ps:
-  tf2sync (`fit`, loop), stock PSS (loop, unrolled) and TF1's
-  `SyncReplicasOptimizer` (`fixed_size_partitioner`), each ps's state beside
-  the bytes of its shards; and w3 in 2 shards on 2 ps against w3 on 1 ps,
-  and whole variables round robin over 2 ps. Not in the default run.
-"""
+"""The ps scenarios `memory` (a subprocess ps's RSS on w3, 1..4 workers)
+and `sharding` (w4 over 2 ps): runs, targets, report sections
+(docs/benchmarks.md#ps-memory, #sharding)."""
 
 from __future__ import annotations
 
@@ -115,17 +109,8 @@ def settled(pids, seconds=1.0, slack_kb=64, most=15.0):
 
 
 def scenario_memory(bench, workload="w3"):
-    """RSS of a subprocess ps on w3, tf2sync with 1..4 workers.
-
-    Then stock PSS with the same optimizer, in both function forms, with
-    the fewest and the most workers (the references), and two controls:
-    tf2sync with an embedding 4 x as large (`w3_x4`: what of the growth
-    per worker comes with the table), and stock PSS with
-    `tf.keras.optimizers.SGD`, whose momentum rewrites the whole table
-    every step (dense per-step buffers of the embedding's size). Every
-    cell is measured `memory_repeats` times on a fresh cluster, the cells
-    interleaved: one reading moved by up to 6 MB between runs.
-    """
+    """RSS of a subprocess ps, each cell `memory_repeats` times on a fresh
+    cluster, the cells interleaved (docs/benchmarks.md#ps-memory)."""
     s = bench.s
     ends = sorted({min(s.memory_workers), max(s.memory_workers)})
     cells = [
@@ -213,14 +198,8 @@ def _sharding_cell(s, system, workload, ps, shards):
 
 
 def scenario_sharding(bench, workers=2):
-    """Memory first, as the memory scenario measures it: on a fresh
-    cluster of subprocess tasks (2 ps with `MEMORY_ENV`, 2 workers, a
-    chief) the systems are set up one at a time, each ps's anonymous RSS
-    settled before and after (its state), then each tf2sync system's
-    per-step peak over one short run. Then throughput, as the main
-    scenario measures it: in-process clusters (2 workers + 2 ps, 2 workers
-    + 1 ps for w3 whole, TF1's own of 2 workers + 2 ps), every system set
-    up, then the repeats interleaved."""
+    """Memory on a fresh cluster of subprocess tasks, one system set up at
+    a time; then throughput on in-process clusters, interleaved."""
     s = bench.s
     functions = s.functions["w4"]
     base = {
@@ -450,29 +429,9 @@ def memory_section(records):
     header = ["system", "workers", "optimizer", "embedding rows"]
     header += ["ps RSS idle MB", "state MB", "per-step peak MB", "runs"]
     return [
-        "w3; the ps is a process of its own (`python -m tf2sync "
-        "--job_name=ps`, run with TF_ENABLE_ONEDNN_OPTS=0 and glibc "
-        "mmapping every buffer from 128 kB up, so that its RSS follows what "
-        f"it holds). The embedding is {EMBEDDING_MB:.1f} MB, its momentum "
-        "slot as much again. *state*: anonymous RSS (allocations, not "
-        "code pages) after setup and warm-up minus the same before the "
-        "chief connected (variables, slots, accumulators, functions). "
-        "*per-step peak*: peak RSS during the timed run minus RSS before it "
-        "(peak reset through /proc/PID/clear_refs; (*) where that failed). "
-        "Each cell is a fresh cluster, measured *runs* times (the cells "
-        "interleaved): idle and state are medians, the peak the largest. "
-        "Stock PSS with the same optimizer and the same function form is "
-        "the reference (the target compares tf2sync's state growth per "
-        "added worker with its: `pss_async_unrolled` for `tf2sync_loop`, "
-        "`pss_async` for `tf2sync_loop_while`; the ps holds each worker's "
-        "instance of the function, so a step repeated in the graph costs "
-        "stock PSS more per worker too); with `keras` "
-        "(`tf.keras.optimizers.SGD`, whose momentum rewrites the whole "
-        "table every step) it is the control: what dense per-step buffers "
-        "of the embedding's size look like here. tf2sync with an embedding "
-        "of 4 x the rows is the other control: a buffer of the table's size "
-        f"per worker would add 3 x {EMBEDDING_MB:.1f} MB per added worker "
-        "there.",
+        f"w3, embedding {EMBEDDING_MB:.1f} MB; the ps a process of its own; "
+        "idle and state medians of the runs, the peak the largest. Columns "
+        "and references: docs/benchmarks.md#ps-memory.",
         (header, rows),
     ]
 
@@ -493,11 +452,8 @@ def sharding_rates(records, field="examples_per_sec"):
 
 
 def sharding_memory(records):
-    """One dict per (system, ps task) set up on the 2-ps cluster, in the
-    order set up: the bytes of its variables and slots there, its state
-    (anonymous RSS after its setup minus before), `fixed` (the state of
-    the small model set up first on that ps) and the bound
-    SHARD_STATE_FACTOR x bytes + fixed, in MB."""
+    """One dict per (system, ps task) set up on the 2-ps cluster: bytes,
+    state, `fixed` and the bound (MB; docs/benchmarks.md#sharding)."""
     peaks = {
         (r["config"], r["workload"], i): kb / 1e3
         for r in events(records, "sharding", "ps_peak")
@@ -628,18 +584,9 @@ def sharding_section(records):
         return fmt(median(cpu.get(key)), ".1f")
 
     blocks = [
-        f"w4: Embedding {fmt(rows_w4, ',')} x 32 over 20 ids per example, "
-        "mean, dense 64 relu, dense 1 (mean squared error), batch 128 per "
-        "worker, legacy momentum SGD; 2 workers and 2 ps, every variable of "
-        "rank >= 1 in 2 shards, one per ps (`tf.distribute.experimental."
-        "partitioners.FixedShardsPartitioner(2)`, the same for stock PSS; "
-        "TF1: a partitioned variable, `tf.compat.v1.fixed_size_partitioner"
-        '(2)`, read by `tf.nn.embedding_lookup` (its "div" layout), '
-        "momentum `MomentumOptimizer`). Throughput as in the main scenario: "
-        "in-process clusters on 127.0.0.1 (the PSS systems all on one of 2 "
-        "workers + 2 ps, TF1 on its own of the same shape), every system "
-        "set up once, the repeats interleaved. Memory on a separate, fresh "
-        "cluster of subprocess tasks (below).",
+        f"w4: Embedding {fmt(rows_w4, ',')} x 32, 2 workers and 2 ps, "
+        "every variable of rank >= 1 in 2 shards, one per ps; see "
+        "docs/benchmarks.md#sharding.",
         "### w4 throughput (2 workers + 2 ps)",
     ]
     rows = [
@@ -674,12 +621,8 @@ def sharding_section(records):
         header += ["runs", "vs 1 ps", "CPU us / ex"]
         blocks += [
             "### w3 on 2 ps against 1 ps",
-            "w3 (embedding 100,000 x 32) in 2 shards on the 2-ps cluster "
-            "above (every variable of rank >= 1 in 2 shards), and "
-            "unpartitioned on an in-process cluster of 1 ps and 2 workers, "
-            "in the same rounds. On 2 shared cores a second ps adds no "
-            "compute: each system's 2-ps / 1-ps ratio is what spreading "
-            "over ps costs it.",
+            "w3 in 2 shards on the 2-ps cluster against whole on 1 ps, "
+            "in the same rounds.",
             (header, rows),
         ]
     rows = [
@@ -704,8 +647,7 @@ def sharding_section(records):
         header += ["vs pss_async_unrolled", "CPU us / ex"]
         blocks += [
             "### Whole variables round robin over 2 ps",
-            "No partitioner: each variable whole on one of the 2 ps of the "
-            "cluster above, placed round robin as PSS places them.",
+            "No partitioner: each variable whole on one of the 2 ps.",
             (header, rows),
         ]
     memory = sharding_memory(records)
@@ -736,25 +678,8 @@ def sharding_section(records):
         header += ["per-step peak MB", "ps RSS after setup MB"]
         blocks += [
             "### ps memory under sharding",
-            "A fresh cluster of subprocess tasks (`python -m tf2sync`: 2 "
-            "ps, 2 workers; the chief another process) where each PSS "
-            "system is set up (model, slots, traced functions, warm-up) one "
-            "at a time, all on the same 2 ps; the ps tasks run with the "
-            "memory scenario's settings (TF_ENABLE_ONEDNN_OPTS=0, glibc "
-            "mmapping buffers from 128 kB up). *shards' bytes*: the bytes of "
-            "the system's variables and optimizer slots on that ps (read "
-            "from the variables' devices by the chief). *state*: that ps's "
-            "anonymous RSS once settled after the system's setup minus the "
-            "same before it. *fixed*: the state of the small model "
-            "(tf2sync_loop on w1, 2 shards) set up first on the fresh ps: a "
-            "system's fixed cost on a ps, which here also takes the ps's "
-            "own one-time costs (so it bounds a later system's fixed cost "
-            f"from above). *bound*: {SHARD_STATE_FACTOR} x shards' bytes + "
-            "fixed. *empty ps RSS*: the ps's RSS before the chief connected "
-            "(TensorFlow's code and runtime). *per-step peak*: after every "
-            "setup, each tf2sync system on w4 runs 10 functions alone: that "
-            "ps's peak RSS during the run minus its RSS before (peak reset "
-            "through /proc/PID/clear_refs).",
+            "Each system set up one at a time on a fresh cluster of "
+            "subprocess tasks (2 ps, 2 workers); MB per ps.",
             (header, rows),
         ]
     tf1 = [

@@ -246,15 +246,9 @@ def reply(value):
 
 
 def serve(handlers, ready=None):
-    """Child side: answers commands from stdin, then exits the process.
-
-    Each line is `{"op": NAME, ...args}`; `handlers[NAME](**args)` returns
-    the answer (a dict), an exception answers `{"error": ...}`. `exit` or
-    the end of stdin ends the process with `os._exit(0)` (in-process TF
-    servers cannot be stopped otherwise). SIGUSR1 writes every thread's
-    stack to stderr (the harness sends it when an answer is late). The
-    process ends with the harness (tf2sync's `exit_with_parent`).
-    """
+    """Child side: answers `{"op": NAME, ...}` lines from stdin with
+    `handlers[NAME](**args)` (an exception: `{"error": ...}`) until `exit`
+    or the end of stdin, then `os._exit(0)`. SIGUSR1 dumps the stacks."""
     library("launcher.processes").exit_with_parent()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     reply({"op": "ready", "pid": os.getpid(), **(ready or {})})

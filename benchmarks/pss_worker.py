@@ -1,20 +1,10 @@
 """Benchmark subprocess: the chief of a PSS cluster, serving the harness.
 
-Runs the systems of the ParameterServerStrategy family (systems.py) on one
-cluster: an in-process one on 127.0.0.1 (default), or the ps and worker
-tasks the harness started as subprocesses (`--cluster_spec`, so that it can
-read the ps's memory). `local` runs in a process of its own, with no
-cluster (`--workers=0`): connecting to one moves the default device.
-Commands (see `procs.serve`):
-
-* `setup(key, system, workload, k, **options)` builds and warms up a
-  runner (options: `rta`, `total` and `delay_factor` for loops; `shards`:
-  variables partitioned with `FixedShardsPartitioner(shards)`; `epochs`,
-  `target` and `learning_rate` for workload `digits`); it answers the
-  bytes of the runner's variables and slots on each ps (`ps_bytes`);
-* `run(key, functions, window=False)` times it.
-
-Started by benchmarks/harness.py, not by hand.
+Commands (`procs.serve`): `setup(key, system, workload, k, **options)`
+builds and warms up a runner (options: `rta`, `total`, `delay_factor`,
+`shards`) and answers its bytes on each ps; `run(key, functions, window)`
+times it. `--workers=0`: `local`, no cluster; `--cluster_spec`: tasks the
+harness started; else an in-process cluster of `--ps` ps.
 """
 
 from __future__ import annotations
@@ -49,11 +39,21 @@ _CLUSTER_SPEC = flags.DEFINE_string(
 _OPTIMIZER = flags.DEFINE_enum(
     "optimizer", "legacy", ["legacy", "keras"], "Momentum SGD family."
 )
+_HOLD_TIME = flags.DEFINE_bool(
+    "hold_time", False, "Probe how long pushes hold the critical section."
+)
 
-
-# One local step's seconds, measured once per workload: every straggler
-# configuration sleeps the same.
+# One local step's seconds per workload: every straggler sleeps the same.
 _compute_seconds = functools.cache(workloads.compute_seconds)
+
+
+def _probe(runner):
+    """(seconds, holds) of the runner's hold probe by kind, or None."""
+    aggregator = getattr(getattr(runner, "opt", None), "_aggregator", None)
+    probe = getattr(aggregator, "hold_probe", None)
+    if probe is None:
+        return None
+    return probe.seconds.numpy(), probe.holds.numpy()
 
 
 class _Server:
@@ -65,40 +65,23 @@ class _Server:
         self.kind = kind
         self.runners = {}
 
-    def _strategy(self, sync, rta=None, total=None, shards=None):
-        partitioner = None
-        if shards:
-            partitioner = tf.distribute.experimental.partitioners
-            partitioner = partitioner.FixedShardsPartitioner(shards)
-        if not sync:
-            return tf.distribute.experimental.ParameterServerStrategy(
-                self.resolver, variable_partitioner=partitioner
-            )
-        return tf2sync.SyncParameterServerStrategy(
-            self.resolver,
-            replicas_to_aggregate=rta or self.workers,
-            total_num_replicas=total or self.workers,
-            **({"variable_partitioner": partitioner} if shards else {}),
-        )
-
     def setup(self, key, system, workload, k, **options):
-        """Builds the runner `key` of `system`; see the module docstring."""
         sync = system.startswith("tf2sync")
         answer = {"key": key}
         common = (workload, k, self.kind)
         if system == "local":
             runner = systems.LocalRunner(workload, self.workers, k, self.kind)
-        elif workload == "digits":
-            runner = systems.AccuracyRunner(
-                lambda: self._strategy(sync),
-                sync=sync,
-                k=k,
-                epochs=options["epochs"],
-                target=options["target"],
-                learning_rate=options["learning_rate"],
-            )
-        elif "_fit" in system:
-            strategy = self._strategy(sync, shards=options.get("shards"))
+            self.runners[key] = runner
+            return answer
+        strategy = systems.strategy(
+            self.resolver,
+            sync,
+            self.workers,
+            options.get("rta"),
+            options.get("total"),
+            options.get("shards"),
+        )
+        if "_fit" in system:
             keras_loop = system.endswith("_keras_loop")
             runner = systems.FitRunner(
                 strategy, *common, sync=sync, keras_loop=keras_loop
@@ -109,12 +92,6 @@ class _Server:
                 compute = _compute_seconds(workload, self.kind)
                 delay_s = options["delay_factor"] * compute
                 answer["compute_s"] = compute
-            strategy = self._strategy(
-                sync,
-                options.get("rta"),
-                options.get("total"),
-                options.get("shards"),
-            )
             group = None  # a tf.while_loop of single steps
             if system == "tf2sync_loop":  # tf2sync.Trainer's default
                 group = strategy.options.max_unrolled_steps
@@ -125,17 +102,29 @@ class _Server:
             )
             answer["delay_s"] = delay_s
         self.runners[key] = runner
-        if getattr(runner, "model", None) is not None and system != "local":
-            answer["ps_bytes"] = systems.state_bytes(runner.model, runner.opt)
+        state = list(runner.model.variables) + list(runner.opt.variables())
+        answer["ps_bytes"] = systems.ps_bytes(state)
         return answer
 
     def run(self, key, functions, window=False):
-        return self.runners[key].run(functions, window=window)
+        runner = self.runners[key]
+        before = _probe(runner)
+        out = runner.run(functions, window=window)
+        if before is not None:
+            after = _probe(runner)
+            for i, kind in enumerate(("push", "finalize")):
+                out[f"{kind}_holds"] = int(after[1][i] - before[1][i])
+                out[f"{kind}_hold_s"] = float(after[0][i] - before[0][i])
+        return out
 
 
 def main(argv):
     del argv
     tf.get_logger().setLevel("ERROR")
+    if _HOLD_TIME.value:
+        from tf2sync._src.sync import hold_time
+
+        hold_time.enable()
     workers = _WORKERS.value
     if _CLUSTER_SPEC.value:
         spec = json.loads(_CLUSTER_SPEC.value)

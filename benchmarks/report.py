@@ -1,10 +1,6 @@
-"""The benchmark report: targets, Markdown and a plot (no TensorFlow).
-
-`write()` makes `benchmarks.md` and, when matplotlib imports,
-`img/benchmarks.png` from the harness's JSON records: a header, the
-targets of every scenario (declared beside it), then each scenario's
-section through `tables.lines`.
-"""
+"""The benchmark report from the harness's records (no TensorFlow):
+benchmarks.md (targets, then each scenario's section through
+`tables.lines`) and, when matplotlib imports, img/benchmarks.png."""
 
 from __future__ import annotations
 
@@ -13,6 +9,7 @@ import importlib.metadata
 import os
 import platform
 
+import driver
 import memory
 import scenarios
 import startup
@@ -23,7 +20,6 @@ TARGETS = (
     scenarios.main_targets,
     scenarios.straggler_targets,
     memory.memory_targets,
-    scenarios.accuracy_targets,
     startup.startup_targets,
     memory.sharding_targets,
 )
@@ -31,13 +27,13 @@ SECTIONS = (
     ("Throughput (2 workers + 1 ps)", scenarios.main_section),
     ("Before and after", scenarios.before_after_section),
     ("Straggler", scenarios.straggler_section),
-    ("Scaling", scenarios.scaling_section),
-    ("Model size", scenarios.model_size_section),
     ("ps memory", memory.memory_section),
-    ("Time to accuracy", scenarios.accuracy_section),
     ("Sharding (w4 on 2 ps)", memory.sharding_section),
+    ("ps scaling", scenarios.ps_scaling_section),
     ("Time to the first update", startup.startup_section),
 )
+# benchmarks.md from this heading on is kept when the report is rewritten.
+KEPT = "## How to read these tables"
 
 
 def machine():
@@ -91,16 +87,15 @@ def plot(records, path):
         1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False
     )
     for ax, workload in zip(axes[0], workloads):
-        systems = [s for s in scenarios.SYSTEM_TEXT if (workload, s) in found]
+        systems = [s for s in driver.SYSTEMS if (workload, s) in found]
         values = [found[(workload, s)] for s in systems]
         mids = [tables.median(v) for v in values]
         low = [m - min(v) for m, v in zip(mids, values)]
         high = [max(v) - m for m, v in zip(mids, values)]
         colors = ["C0" if s.startswith("tf2sync") else "C7" for s in systems]
         ax.bar(systems, mids, yerr=[low, high], color=colors, capsize=3)
-        ax.set_title(
-            f"{workload}: {scenarios.WORKLOAD_TEXT[workload]}", fontsize=9
-        )
+        text = scenarios.WORKLOAD_TEXT[workload]
+        ax.set_title(f"{workload}: {text}", fontsize=9)
         ax.set_yscale("log")
         ax.set_ylabel("examples/s, log scale (median, min-max)")
         ax.tick_params(axis="x", labelrotation=45, labelsize=8)
@@ -118,33 +113,18 @@ def _header(config, done):
     clusters = config.get("clusters", 1)
     builds = ""
     if isinstance(clusters, int) and clusters > 1:
-        builds = (
-            f"; the main scenario built its processes {clusters} times, "
-            "each build running all those repeats, and its medians span them"
-        )
-    return [
+        builds = f"; the main scenario built its processes {clusters} times"
+    return (
         f"Measured {get(info, 'date')} with `{get(config, 'command')}` "
         f"({get(done, 'seconds')} s) on {get(info, 'cpus')} CPUs "
         f"({get(info, 'cpu')}; load average at start "
         f"{get(info, 'load_average')}), Python {get(info, 'python')}, "
         f"TensorFlow {get(info, 'tensorflow')}, tf_keras "
-        f"{get(info, 'tf_keras')}.{smoke}",
-        "Every system runs on this one machine, on a cluster of 2 workers "
-        "and 1 ps on 127.0.0.1 (unless said otherwise), in subprocesses of "
-        "its own; each is built and warmed up once, then the "
-        f"{get(config, 'repeats')} repeats are interleaved (the order "
-        "is balanced: each system runs after each other one equally often) "
-        f"so that machine noise hits all systems alike{builds}. "
-        "Ratios are ratios of medians of the same run. A run is the same "
-        f"work for every system: functions x K x B examples (K = "
-        f"{get(config, 'k')}, functions {get(config, 'functions')}). "
-        "Synchronous systems count aggregated examples only (accepted "
-        "gradients x B; TF1: N x B per global step); asynchronous ones "
-        "count every applied step. Optimizer: momentum SGD 0.01 / 0.9, "
-        f"`{get(config, 'optimizer')}` (`legacy`: tf_keras's legacy SGD, "
-        "fused kernels and lazy sparse momentum like TF1's "
-        "MomentumOptimizer; `keras`: `tf.keras.optimizers.SGD`).",
-    ]
+        f"{get(info, 'tf_keras')}.{smoke} {get(config, 'repeats')} "
+        f"interleaved repeats{builds}; K = {get(config, 'k')}, functions "
+        f"{get(config, 'functions')}, optimizer `{get(config, 'optimizer')}`"
+        f". How to read the tables: [below](#how-to-read-these-tables)."
+    )
 
 
 def render(records, image_note):
@@ -152,7 +132,7 @@ def render(records, image_note):
     config = next((r for r in records if r.get("event") == "config"), {})
     done = next((r for r in records if r.get("event") == "processes"), {})
     found = [list(t.values()) for t in targets(records)]
-    blocks = ["# Benchmarks", *_header(config, done), "## Targets"]
+    blocks = ["# Benchmarks", _header(config, done), "## Targets"]
     blocks.append((["target", "measured", "required", "result"], found))
     for title, section in SECTIONS:
         found = section(records)
@@ -171,13 +151,19 @@ def render(records, image_note):
 
 
 def write(records, output_dir):
-    """Writes benchmarks.md (and img/benchmarks.png); returns the paths."""
+    """Writes benchmarks.md (and img/benchmarks.png); returns the paths.
+    What an existing benchmarks.md holds from `KEPT` on stays."""
     image = os.path.join(output_dir, "img", "benchmarks.png")
     error = plot(records, image)
     note = (
         f"(No plot: {error}.)" if error else "![Throughput](img/benchmarks.png)"
     )
     path = os.path.join(output_dir, "benchmarks.md")
+    kept = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            text = f.read()
+        kept = text[text.index(KEPT) :] if KEPT in text else ""
     with open(path, "w") as f:
-        f.write(render(records, note))
+        f.write(render(records, note) + "\n" * bool(kept) + kept)
     return [path] + ([] if error else [image])

@@ -5,10 +5,6 @@
   `<system>@baseline`).
 * `straggler`: 3 workers, worker 0 sleeping `straggler_factor` x its
   compute time per step: tf2sync with 0 and 1 backup worker, stock PSS.
-* `scaling`: the step cost of tf2sync's custom loop with 1..4 workers (w1).
-* `model_size`: tf2sync's custom loop and stock PSS on w1 with 64..4096
-  hidden units, 2 workers.
-* `accuracy`: time to a held-out accuracy on digits, tf2sync vs stock PSS.
 
 A run writes records (`driver.Bench`); `*_targets(records)` and
 `*_section(records)` read them (blocks for `tables.lines`).
@@ -17,8 +13,11 @@ A run writes records (`driver.Bench`); `*_targets(records)` and
 from __future__ import annotations
 
 from driver import PSS_SYSTEMS
+from driver import SYSTEMS
 from driver import Endpoint
+from tables import error_row
 from tables import errors
+from tables import events
 from tables import fmt
 from tables import median
 from tables import rates
@@ -32,27 +31,6 @@ WORKLOAD_TEXT = {
     "w1": "MLP 32-64-10, batch 32/worker",
     "w2": "CNN on 32x32x3, batch 64/worker",
     "w3": "Embedding 100,000 x 32 (20 ids), batch 128/worker",
-}
-SYSTEM_TEXT = {
-    "local": "one process, no distribution, global batch N x B",
-    "tf2sync_fit": "tf2sync, `model.fit`, steps_per_execution=K; each "
-    "function repeats the step in its graph (tf2sync's default: up to 10 "
-    "copies per loop iteration)",
-    "tf2sync_fit_keras_loop": "the same after "
-    "`tf2sync.unroll_fit_steps(model, False)`: tf_keras's `tf.range` loop",
-    "tf2sync_loop": "tf2sync, custom loop, K steps per scheduled function, "
-    "as `tf2sync.Trainer` runs them by default: the step repeated in the "
-    "graph, up to 10 copies per loop iteration",
-    "tf2sync_loop_while": "the same in a `tf.while_loop` of single steps "
-    "(`tf2sync.Trainer(use_tf_while_loop=True)`, Orbit's loop)",
-    "pss_async": "stock ParameterServerStrategy (async), custom loop in a "
-    "`tf.while_loop` (`tf.range`)",
-    "pss_async_unrolled": "stock ParameterServerStrategy (async), the "
-    "K steps repeated in the graph",
-    "pss_async_fit": "stock ParameterServerStrategy (async), `model.fit`",
-    "tf1_sync": "TF1 `SyncReplicasOptimizer`, graph mode, one "
-    "MonitoredTrainingSession per worker thread",
-    "mwms": "MultiWorkerMirroredStrategy, one process per worker",
 }
 # Issue 8's bars per workload: (baseline, custom loop at least, fit at
 # least). Each form of tf2sync's loop and fit is held to its kind's bar.
@@ -70,19 +48,13 @@ MAIN_FORMS = (
 # least (the "Before and after" section's PASS).
 BASELINE = "@baseline"
 BASELINE_KEEP = 0.95
+PS_SCALING_STOCK = "pss_async_unrolled"  # the ps_scaling tables' "stock"
 STRAGGLER_KEEP = 0.9  # tf2sync with 1 backup: with / without, at least
-# Issue 21: tf2sync's `fit` reaches the digits target no later than stock
-# PSS's (seconds, medians), at the first rate and each at its best.
-ACCURACY_AT_MOST = 1.0
-ACCURACY_UNRECORDED_RATE = 0.05  # of runs recorded before the grid
 
 
 def scenario_main(bench, workload, workers=2):
     """Each requested system on `workload`, interleaved; with
-    `--clusters=N`, N times over, each time on processes built anew (a
-    system built once keeps its speed for every repeat on it: the same two
-    trees measured 0.84 x in one run and 1.02 x in the next), the later
-    builds' repeats counted on, the medians over all."""
+    `--clusters=N`, on processes built anew N times."""
     s = bench.s
     for cluster in range(s.clusters):
         base = {
@@ -177,78 +149,6 @@ def scenario_straggler(bench, workers=3):
     bench.run_all(endpoints, functions, base, extra, window=True)
 
 
-def scenario_scaling(bench, workload="w1"):
-    """The step cost of tf2sync's custom loop with 1..4 workers."""
-    s = bench.s
-    base = {
-        "scenario": "scaling",
-        "workload": workload,
-        "steps_per_function": s.k,
-        "functions": s.functions[workload],
-    }
-    endpoints, extra = [], {}
-    for n in s.scaling_workers:
-        child = bench.start_pss(f"pss_scaling_{n}w", n)
-        name = f"tf2sync_loop_{n}w"
-        args = {"system": "tf2sync_loop", "workload": workload, "k": s.k}
-        endpoints.append(Endpoint(name, "pss", [child], args, n))
-        extra[name] = {"config": "tf2sync_loop", "workers": n}
-    bench.run_all(endpoints, s.functions[workload], base, extra)
-
-
-def scenario_model_size(bench, workers=2):
-    """tf2sync's loop and stock PSS on w1 as its hidden layer widens."""
-    s = bench.s
-    base = {
-        "scenario": "model_size",
-        "workers": workers,
-        "steps_per_function": s.k,
-        "functions": s.functions["w1"],
-    }
-    endpoints, extra = [], {}
-    for width in s.model_widths:
-        workload = f"w1_h{width}"
-        child = bench.start_pss(f"pss_size_{width}", workers)
-        for system in ("tf2sync_loop", "pss_async"):
-            name = f"{system}_h{width}"
-            args = {"system": system, "workload": workload, "k": s.k}
-            endpoints.append(Endpoint(name, "pss", [child], args, workers))
-            extra[name] = {
-                "config": system,
-                "workload": workload,
-                "width": width,
-                # 32 -> width relu -> 10 (workloads.py, not imported here).
-                "parameters": 32 * width + width + width * 10 + 10,
-            }
-    bench.run_all(endpoints, s.functions["w1"], base, extra)
-
-
-def scenario_accuracy(bench, workers=2):
-    """Time to accuracy on digits (systems.AccuracyRunner), fresh models
-    each repeat, each system at each rate of `accuracy_learning_rates`."""
-    s = bench.s
-    base = {
-        "scenario": "accuracy",
-        "workload": "digits",
-        "workers": workers,
-        "steps_per_function": s.k,
-        "learning_rates": list(s.accuracy_learning_rates),
-    }
-    child = bench.start_pss("pss_accuracy", workers)
-    options = {"epochs": s.accuracy_epochs, "target": s.accuracy_target}
-    endpoints, extra = [], {}
-    for rate in s.accuracy_learning_rates:
-        for system in ("tf2sync_fit", "pss_async_fit"):
-            # The name keys its runner on the child; the record names the
-            # system and the rate.
-            name = f"{system}_lr{rate:g}"
-            args = {"system": system, "workload": "digits", "k": s.k}
-            args.update(options, learning_rate=rate)
-            endpoints.append(Endpoint(name, "pss", [child], args, workers))
-            extra[name] = {"system": system, "learning_rate": rate}
-    bench.run_all(endpoints, 0, base, extra)
-
-
 # -- targets --------------------------------------------------------------
 
 
@@ -276,81 +176,20 @@ def straggler_targets(records):
     return [target(name, kept, ">=", STRAGGLER_KEEP)]
 
 
-def accuracy_targets(records):
-    """At the grid's first learning rate, and each system at its best."""
-
-    def row(condition, value):
-        name = f"digits: seconds to the accuracy target{condition}, "
-        return target(name + "tf2sync_fit / pss_async_fit", value, "<=", 1.0)
-
-    found = accuracy_runs(records)
-    if not found:
-        return [row("", None)]
-
-    def seconds_of(key):
-        values = [r.get("seconds_to_target") for r in found.get(key, [])]
-        if any(v is None for v in values):
-            return float("inf")  # a missed run: the median would hide it
-        return median(values)
-
-    def best(system):
-        """(seconds, rate) of the system's fastest rate, or None."""
-        cells = [(seconds_of(key), key[1]) for key in found if key[0] == system]
-        return min(cells, default=None)
-
-    some = next(iter(found.values()))[0]
-    first = some.get("learning_rates", [ACCURACY_UNRECORDED_RATE])[0]
-    ours = seconds_of(("tf2sync_fit", first))
-    theirs = seconds_of(("pss_async_fit", first))
-    value = None if None in (ours, theirs) else ratio(ours, theirs)
-    rows = [row(f" at learning rate {first:g}", value)]
-    grid = sorted({rate for _, rate in found})
-    if len(grid) > 1:
-        ours, theirs = best("tf2sync_fit"), best("pss_async_fit")
-        value = ratio(ours[0], theirs[0]) if ours and theirs else None
-
-        def where(name, cell):
-            if cell[0] == float("inf"):
-                return f"{name} missed at every rate"
-            return f"{name} at {cell[1]:g}"
-
-        at = ""
-        if ours and theirs:
-            at = f" ({where('tf2sync', ours)}, {where('stock', theirs)})"
-        listed = ", ".join(f"{r:g}" for r in grid)
-        rows.append(row(f", each at its best rate of {listed}{at}", value))
-    return rows
-
-
 # -- report sections ------------------------------------------------------
 
 
 def main_section(records):
     found = rates(records, "main")
     cpu = rates(records, "main", "cpu_us_per_example")
-    ran = {r.get("system") for r in records if r.get("scenario") == "main"}
-    described = [[f"`{k}`", v] for k, v in SYSTEM_TEXT.items() if k in ran]
-    if not described:
-        return []
-    blocks = [
-        (["system", "what"], described),
-        "CPU us / ex: the user + system CPU time of all the harness's "
-        "processes during a run (one system runs at a time), per example. "
-        "On a machine whose cores every process shares it moves less "
-        "between runs than examples/s. `fit` runs 2 epochs of that work per "
-        "run and is timed over the second, as a `fit` of several epochs "
-        "runs: the first also holds the call's start (tf_keras builds and "
-        "ships each worker's input pipeline, data included, at every `fit` "
-        "call; the loops build theirs once, untimed). Its CPU per example "
-        "is over both epochs.",
-    ]
+    blocks = []
     header = ["system", "median ex/s", "min - max", "runs", "vs tf1_sync"]
     header += ["vs pss_async", "CPU us / ex"]
     for workload in WORKLOADS:
         failed = [
             r for r in errors(records, "main") if r["workload"] == workload
         ]
-        systems = [s for s in SYSTEM_TEXT if (workload, s) in found]
+        systems = [s for s in SYSTEMS if (workload, s) in found]
         if not systems and not failed:
             continue
         tf1 = median(found.get((workload, "tf1_sync")))
@@ -367,21 +206,20 @@ def main_section(records):
                     fmt(median(cpu.get((workload, system))), ".1f"),
                 ]
             )
-        rows += [
-            [f"`{r['system']}`", "error", r["error"][:160], 0] for r in failed
-        ]
+        rows += [error_row(r) for r in failed]
         blocks += [f"### {workload}: {WORKLOAD_TEXT[workload]}", (header, rows)]
+    if blocks:
+        blocks.insert(
+            0,
+            "Medians of the repeats; what each system runs: "
+            "docs/benchmarks.md#systems.",
+        )
     return blocks
 
 
 def paired_ratios(records, workload, system):
-    """current / baseline of `system` in each round both trees ran.
-
-    A round (`cluster`, `repeat`) runs every system once, one after the
-    other; a cluster build, or the machine for a while, can be slower for
-    both trees alike (one build at two thirds of the next's speed), which
-    pooled medians mix and a ratio within the round cancels.
-    """
+    """current / baseline of `system` in each round both trees ran (a
+    slower cluster build slows both alike; the round's ratio cancels it)."""
     by_round = {}
     for r in runs(records, "main"):
         if r.get("workload") == workload and "repeat" in r:
@@ -397,10 +235,7 @@ def paired_ratios(records, workload, system):
 
 def before_after_rows(records):
     """Per workload and tf2sync system run from --baseline_tree: both
-    trees' medians and their ratio, the median of the rounds' own ratios
-    (`paired_ratios`), each tree's ratios to local and tf1_sync, and PASS /
-    MISS / n/a for current / baseline >= BASELINE_KEEP (the rounds' median
-    where rounds paired, else the medians' ratio)."""
+    trees' medians, their ratios and PASS / MISS / n/a."""
     found = rates(records, "main")
     cpu = rates(records, "main", "cpu_us_per_example")
     failed = {
@@ -413,7 +248,7 @@ def before_after_rows(records):
     for workload in WORKLOADS:
         local = median(found.get((workload, "local")))
         tf1 = median(found.get((workload, "tf1_sync")))
-        for system in SYSTEM_TEXT:
+        for system in PSS_SYSTEMS:
             then = system + BASELINE
             if not system.startswith("tf2sync") or (workload, then) not in ran:
                 continue
@@ -494,17 +329,10 @@ def before_after_section(records):
     header += ["vs tf1_sync" + both, "CPU us / ex" + both]
     header.append(f"current / baseline >= {BASELINE_KEEP:.2f}")
     return [
-        "Each tf2sync system of the main scenario, from this tree and from "
-        f"the baseline tree `{config.get('baseline_tree') or '?'}` "
-        f"(`<system>{BASELINE}`: that tree's own `benchmarks/pss_worker.py` "
-        "and `tf2sync`, on a cluster of its own), interleaved in the same "
-        "rounds. Examples/s are medians of the repeats; *current / "
-        "baseline* is their ratio; *paired rounds* is the median of each "
-        "round's own current / baseline (both trees one after the other), "
-        "which a faster or slower cluster build does not move, and decides "
-        "the result where rounds paired; the ratios to `local` and "
-        "`tf1_sync` are each version's median over the same run's (run "
-        f"once, from this tree). {verdict}",
+        "This tree against the baseline tree "
+        f"`{config.get('baseline_tree') or '?'}` "
+        f"(`<system>{BASELINE}`), interleaved in the same rounds; see "
+        f"docs/benchmarks.md#before-and-after. {verdict}",
         (header, rows),
     ]
 
@@ -562,124 +390,96 @@ def straggler_section(records):
     return [
         f"{first['workers']} workers, {first['workload']}; worker 0 sleeps "
         f"{delay * 1e3:.1f} ms per step ({ratio(delay, compute) or 0:.1f} x "
-        f"its compute alone, {compute * 1e3:.1f} ms). `tf2sync_b0`: "
-        "replicas_to_aggregate = total = 3; `tf2sync_b1`: 2 of 3 (one backup "
-        "worker); *kept*: with / without the straggler. Rates are taken "
-        "between 20 % and 80 % of each run's gradients (no start, no tail). "
-        "All workers share this machine's cores: a sleeping worker frees "
-        "CPU for the others, which favours every configuration that does "
-        "not wait for it more than it would on separate machines.",
+        f"its compute alone, {compute * 1e3:.1f} ms); *kept*: with / without "
+        "the straggler. See docs/benchmarks.md#straggler.",
         (header, rows),
     ]
 
 
-def _step_ms(r):
-    return 1e3 * r["seconds"] / max(1, r["steps"])
+def scenario_ps_scaling(bench, workers=2):
+    """Per ps count, one in-process cluster with the hold probe (and TF1's
+    own per cell): each workload whole round robin (`rr`) and, w3 on 2 or
+    more ps, `sharded` in one shard per ps; the systems interleaved."""
+    s = bench.s
+    for ps in s.ps_counts:
+        base = {"scenario": "ps_scaling", "workers": workers, "ps": ps}
+        base.update(steps_per_function=s.k, functions=s.ps_functions)
+        name = f"ps_scaling_{ps}ps"
+        child = bench.start_pss(name, workers, ps=ps, hold_time=True)
+        endpoints, extra = [], {}
+        for workload in s.ps_workloads:
+            sharded = workload == "w3" and ps > 1
+            for placement in ("rr", "sharded")[: 1 + sharded]:
+                shards = ps if placement == "sharded" else 1
+                for system in s.ps_systems:
+                    cell = f"{system}_{workload}_{placement}"
+                    fields = {"config": system, "workload": workload}
+                    extra[cell] = {**fields, "placement": placement}
+                    if system == "tf1_sync":
+                        tf1 = bench.start_tf1(
+                            workload, workers, ps, shards, f"{name}_{cell}"
+                        )
+                        args, kind, children = {"steps": 2 * s.k}, "tf1", [tf1]
+                    else:
+                        args = {
+                            "system": system,
+                            "workload": workload,
+                            "k": s.k,
+                        }
+                        args.update({"shards": shards} if shards > 1 else {})
+                        kind, children = "pss", [child]
+                    endpoints.append(
+                        Endpoint(cell, kind, children, args, workers)
+                    )
+        bench.run_all(endpoints, s.ps_functions, base, extra, setup_extra=extra)
 
 
-def scaling_section(records):
-    per = {}
-    for r in runs(records, "scaling"):
-        per.setdefault(r["workers"], []).append(r)
-    if not per:
-        return []
-    base = median([_step_ms(r) for r in per[min(per)]])
-    rows = []
-    for n in sorted(per):
-        ms = median([_step_ms(r) for r in per[n]])
-        rate = median([r["examples_per_sec"] for r in per[n]])
-        rows.append([n, fmt(ms, ".2f"), fmt(rate), fmt(ratio(ms, base), ".2f")])
-    header = ["workers", "median ms / sync step", "median ex/s"]
-    header.append(f"step cost vs {min(per)} worker(s)")
-    return [
-        "tf2sync custom loop on w1, replicas_to_aggregate = total = workers;"
-        " a step is one synchronous update (N gradients), all workers on "
-        "this machine.",
-        (header, rows),
-    ]
-
-
-def model_size_section(records):
-    per = {}
-    for r in runs(records, "model_size"):
-        cells = per.setdefault((r["width"], r["parameters"]), {})
-        cells.setdefault(r["config"], []).append(r)
-    if not per:
-        return []
-    first = min(per)
-    base = median([_step_ms(r) for r in per[first].get("tf2sync_loop", [])])
-    rows = []
-    for (width, parameters), cells in sorted(per.items()):
-        sync = cells.get("tf2sync_loop", [])
-        ms = median([_step_ms(r) for r in sync])
-        ours = median([r["examples_per_sec"] for r in sync])
-        theirs = median(
-            [r["examples_per_sec"] for r in cells.get("pss_async", [])]
-        )
-        rows.append(
-            [
-                width,
-                f"{parameters:,}",
-                fmt(ms, ".2f"),
-                fmt(ratio(ms, base), ".2f"),
-                fmt(ours),
-                fmt(theirs),
-                fmt(ratio(ours, theirs), ".2f"),
-            ]
-        )
-    header = ["hidden units", "parameters", "tf2sync ms / sync step"]
-    header += [f"vs {first[0]} units", "tf2sync ex/s", "pss_async ex/s"]
-    header.append("tf2sync / pss_async")
-    return [
-        "w1 (32 -> H relu -> 10, batch 32 per worker), 2 workers + 1 ps; "
-        "tf2sync's custom loop (a step is one synchronous update of 2 "
-        "gradients) and stock asynchronous PSS, interleaved.",
-        (header, rows),
-    ]
-
-
-def accuracy_runs(records):
-    """{(system, learning rate): [runs]} of the accuracy scenario."""
-    found = {}
-    for r in runs(records, "accuracy"):
-        rate = r.get("learning_rate", ACCURACY_UNRECORDED_RATE)
-        found.setdefault((r["system"], rate), []).append(r)
-    return found
-
-
-def accuracy_section(records):
-    found = accuracy_runs(records)
+def ps_scaling_section(records):
+    key = lambda r: (r["workload"], r["placement"], r["config"], r["ps"])
+    found = rates(records, "ps_scaling", key=key)
     if not found:
         return []
-    target_value = next(iter(found.values()))[0]["target"]
+    held = {}  # (cell, kind): [holds, seconds] over the runs
+    for r in runs(records, "ps_scaling"):
+        for kind in ("push", "finalize"):
+            if f"{kind}_holds" in r:
+                total = held.setdefault((key(r), kind), [0, 0.0])
+                total[0] += r[f"{kind}_holds"]
+                total[1] += r[f"{kind}_hold_s"]
+    setup = {
+        key(r): r["setup_s"] for r in events(records, "ps_scaling", "setup")
+    }
+
+    def mid(*cell):
+        return median(found.get(cell))
+
+    def hold(cell, kind):
+        n, seconds = held.get((cell, kind), (0, 0.0))
+        return fmt(ratio(1e6 * seconds, n), ".1f") if n else ""
+
     rows = []
-    for (system, rate), rs in sorted(found.items(), key=lambda i: i[0][1]):
-        curves = [r["curve"] for r in rs]
-        epoch_s = [b[0] - a[0] for c in curves for a, b in zip(c, c[1:])]
-        missed = sum(r["epochs_to_target"] is None for r in rs)
+    for cell in sorted(found):
+        workload, placement, system, ps = cell
+        rate = mid(*cell)
+        versus = [
+            mid(workload, placement, PS_SCALING_STOCK, ps),
+            mid(workload, placement, "tf1_sync", ps),
+            mid(workload, "rr", system, 1),
+        ]
         rows.append(
             [
-                f"`{system}`",
-                f"{rate:g}",
-                fmt(median([r["epochs_to_target"] for r in rs]), ".1f"),
-                fmt(median([r["seconds_to_target"] for r in rs]), ".2f"),
-                fmt(median([c[0][0] for c in curves]), ".3f"),
-                fmt(median(epoch_s), ".3f"),
-                fmt(median([r["final_accuracy"] for r in rs]), ".4f"),
-                f"{len(rs)} ({missed} missed)",
+                *cell,
+                fmt(rate),
+                *[fmt(ratio(rate, v), ".2f") for v in versus],
+                hold(cell, "push"),
+                hold(cell, "finalize"),
+                fmt(setup.get(cell), ".2f"),
             ]
         )
-    header = ["system", "learning rate", f"epochs to {target_value}"]
-    header += [f"seconds to {target_value}", "1st epoch s"]
-    header += ["s / epoch (after the 1st)", "final accuracy", "runs"]
+    header = ["workload", "placement", "system", "ps", "ex/s", "/ stock"]
+    header += ["/ TF1", "/ own 1 ps", "push hold us", "finalize hold us"]
     return [
-        "scikit-learn digits (the launcher's default job: conv net, "
-        "1,500 training and 297 held-out images), `model.fit`, 2 workers, "
-        "batch 32 per worker, legacy momentum SGD (momentum 0.9) at each "
-        f"rate, {len(curves[0])} epochs of 1,500 examples; held-out "
-        "accuracy after each epoch, off the clock. Seconds include the first "
-        "epoch's one-off tracing (larger for tf2sync); medians over the "
-        "repeats. At one rate a synchronous epoch makes half the updates of "
-        "an asynchronous one (each the mean of 2 replicas' gradients).",
-        (header, rows),
+        "2 workers, 1 to 4 ps; medians; `rr`: variables whole, round robin; "
+        "`sharded`: w3 in one shard per ps. See docs/benchmarks.md#ps-scaling.",
+        (header + ["set-up s"], rows),
     ]

@@ -1,23 +1,5 @@
-"""The `startup` scenario: time to the first applied update (no TensorFlow).
-
-Per workload and system, each repeat in a fresh chief process
-(`startup_worker.py`, an in-process cluster of 2 workers + 1 ps on
-127.0.0.1; first-trace costs are per process), the systems interleaved as
-the harness does (the order rotates each round): from the call of
-`model.fit` (tf2sync_fit, pss_async_fit), of `tf2sync.Trainer.train`
-(tf2sync_trainer) or the custom loop's first `schedule` (tf2sync_loop,
-pss_async) to the first applied update, split
-into (a) tracing (inside the first `ClusterCoordinator.schedule`), (b)
-function registration and first execution on the workers and ps (from
-that schedule's return to the first function's result, minus one
-steady-state function time) and (c) the first steps (one steady-state
-function time). Each clock starts after a full garbage collection, and
-the collector's time up to the first update is reported (`gc_s`). See
-startup_worker.py for what each field times.
-
-Not in the default run: 5 systems x 2 workloads x 3 repeats is 30 fresh
-processes, about 6 min on 2 cores (--scenarios=startup).
-"""
+"""The `startup` scenario: time to the first applied update, each repeat
+in a fresh `startup_worker.py` process (docs/benchmarks.md#startup)."""
 
 from __future__ import annotations
 
@@ -198,20 +180,9 @@ def startup_section(records):
         for r in failed
     ]
     return [
-        "From the call of `model.fit` or `Trainer.train` (or the custom "
-        "loop's first line, which builds each worker's iterator) to the "
-        "first applied update (the optimizer's `iterations` on the ps >= 1, "
-        "polled by the chief every 5 ms) and to the first function's "
-        "result, each repeat in a fresh process (2 workers + 1 ps, "
-        "in-process), the systems interleaved; medians. (a) the first "
-        "`ClusterCoordinator.schedule` call (tracing); (b) from its return "
-        "to the first function's result, minus (c) one steady-state "
-        "function (one function per worker); every system first spends "
-        "`to 1st schedule` building each worker's iterator (fit also its "
-        "data handler; runs before the night of 2026-12-03 started the "
-        "custom loops' clocks after it). Each clock starts right after a "
-        "full garbage collection; `GC in it` is the collector's time up to "
-        "the first update. Ratios are tf2sync / stock PSS.",
+        "Seconds from the first call to the first applied update, fresh "
+        "processes, medians; ratios tf2sync / stock PSS. Columns: "
+        "docs/benchmarks.md#startup.",
         *(["\n".join(described)] if described else []),
         (header, rows),
         *(["\n".join(errors)] if errors else []),

@@ -1,29 +1,5 @@
-"""Benchmark subprocess: time to the first applied update, in a fresh process.
-
-One measurement per process (first-trace costs are per process): the
-harness starts this chief with an in-process cluster (2 workers + 1 ps on
-127.0.0.1), sends one `measure(system, workload, k, rounds)` and ends it by
-PID. Systems: `tf2sync_fit`, `pss_async_fit` (`model.fit`), `tf2sync_trainer`
-(`Trainer.train`), `tf2sync_loop`, `tf2sync_loop_while`, `pss_async` (a
-custom loop as systems.LoopRunner builds it). Workloads: w1, `digits` (the
-launcher's default job) and `resnet50` (`ResNet50(weights=None)`, 64x64x3
-random images, batch 4 per worker).
-
-Timed on the chief from t0, the call of `fit` or `Trainer.train` or a
-loop's first line (which builds each worker's iterator):
-`before_schedule_s` to the first `ClusterCoordinator.schedule`; `trace_s`
-(a) inside that outermost first call (tracing); `first_function_s` to that
-function's result (`RemoteValue.get()` in a thread); `first_update_s` to
-the optimizer's `iterations` on the ps >= 1 (polled every 5 ms);
-`steady_function_s` (c) one round of one function per worker once warm;
-`register_s` (b) from the first schedule's return to the first result
-minus (c): registration and first execution on the workers and ps. Each
-clock starts right after a full `gc.collect()`, so that no system pays one
-owed to its set-up; `gc_s` and `gc_full` are the collector's time and full
-collections between t0 and the first update.
-
-Started by benchmarks/harness.py (--scenarios=startup).
-"""
+"""Benchmark subprocess: time to the first applied update, in a fresh
+process (one `measure` per process; docs/benchmarks.md#startup)."""
 
 from __future__ import annotations
 
@@ -32,13 +8,13 @@ import gc
 import os
 import threading
 import time
+import types
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 _STARTED = time.perf_counter()
 
-import numpy as np  # noqa: E402
 import procs  # noqa: E402
 import systems  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -48,79 +24,43 @@ from absl import flags  # noqa: E402
 
 import tf2sync  # noqa: E402
 from tf2sync._src import coordinator as sync_coordinator  # noqa: E402
-from tf2sync._src import loops  # noqa: E402
-from tf2sync._src.jobs import digits  # noqa: E402
 
 _WORKERS = flags.DEFINE_integer("workers", 2, "Worker tasks.")
 _POLL_S = 0.005
-# Set to a path prefix: the first schedule call runs under cProfile, its
-# stats written to PREFIX.<pid> (for finding what the trace spends; the
-# profiler slows it, so not for the numbers).
+# A path prefix: the first schedule call runs under cProfile, its stats in
+# PREFIX.<pid> (to find what the trace spends; not for the numbers).
 PROFILE_ENV = "TF2SYNC_STARTUP_PROFILE"
-RESNET_SHAPE = (64, 64, 3)
-RESNET_BATCH = 4
+_GC_RUNS = []  # (start, seconds, generation) of each collection
+_gc_start = [None]
 
 
-class _Collections:
-    """The garbage collector's runs in this process: (start, seconds,
-    generation), from a `gc.callbacks` hook."""
-
-    def __init__(self):
-        self.runs = []
-        self._start = None
-        gc.callbacks.append(self._hook)
-
-    def _hook(self, phase, info):
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self._start is not None:
-            now = time.perf_counter()
-            self.runs.append(
-                (self._start, now - self._start, info["generation"])
-            )
-            self._start = None
-
-    def between(self, t0, t1):
-        """`(seconds, full collections)` of the runs started in [t0, t1]."""
-        runs = [(s, g) for start, s, g in self.runs if t0 <= start <= t1]
-        return sum(s for s, _ in runs), sum(1 for _, g in runs if g == 2)
+def _gc_hook(phase, info):
+    now = time.perf_counter()
+    if phase == "start":
+        _gc_start[0] = now
+    elif _gc_start[0] is not None:
+        _GC_RUNS.append((_gc_start[0], now - _gc_start[0], info["generation"]))
+        _gc_start[0] = None
 
 
-_COLLECTIONS = _Collections()
+gc.callbacks.append(_gc_hook)
 
 
 def _start_clock():
-    """t0, right after a full collection (see the module docstring). The
-    collection's own time is kept out of `setup_s` (`_COLLECTED_S`)."""
+    """(t0 right after a full collection, that collection's seconds)."""
     before = time.perf_counter()
     gc.collect()
     t0 = time.perf_counter()
-    _COLLECTED_S[0] = t0 - before
-    return t0
-
-
-_COLLECTED_S = [0.0]  # the last `_start_clock`'s collection, seconds
-
-
-def _setup_s(start, t0):
-    """`setup_s`: from `start` to the clock's `t0`, less the collection
-    `_start_clock` ran just before `t0`."""
-    return round(t0 - start - _COLLECTED_S[0], 4)
+    return t0, t0 - before
 
 
 class _Clock:
-    """Times the outermost first `schedule` and what follows it.
-
-    Patches `ClusterCoordinator.schedule` and tf2sync's override (a
-    subclass) for this process only; records the first outermost call's
-    entry and return, then starts two chief threads: one waits for that
-    call's `RemoteValue`, one polls `iterations` until it is >= 1.
-    """
+    """Times the outermost first `schedule` (patched in this process) and,
+    from two threads, its function's result and the first update."""
 
     def __init__(self, iterations):
         self.iterations = iterations
-        self.enter = self.leave = self.done = self.update = None
-        self.first = None  # the name of the first function scheduled
+        self.enter = self.leave = self.done = self.update = self.first = None
         self.polls = 0
         self._depth = threading.local()
         self._threads = []
@@ -154,12 +94,12 @@ class _Clock:
                     profiler.dump_stats(f"{profile}.{os.getpid()}")
             if first:
                 clock.leave = time.perf_counter()
-                clock._start(value)
+                clock._watch(value)
             return value
 
         return timed
 
-    def _start(self, value):
+    def _watch(self, value):
         def wait():
             try:
                 value.get()
@@ -175,72 +115,30 @@ class _Clock:
                     return
                 time.sleep(_POLL_S)
 
-        self._threads = [
-            threading.Thread(target=f, daemon=True) for f in (wait, poll)
-        ]
+        self._threads = [threading.Thread(target=f) for f in (wait, poll)]
         for t in self._threads:
+            t.daemon = True
             t.start()
 
-    def join(self, timeout=600):
+    def split(self, t0, steady):
+        """The measurement's fields (docs/benchmarks.md#startup)."""
         for t in self._threads:
-            t.join(timeout)
-
-
-def _model(workload):
-    if workload == "digits":
-        return digits.build_model()
-    if workload == "resnet50":
-        tf.keras.utils.set_random_seed(workloads.SEED)
-        return tf.keras.applications.ResNet50(
-            weights=None, input_shape=RESNET_SHAPE, classes=10
-        )
-    return workloads.build_model(workload)
-
-
-def _optimizer(workload):
-    if workload == "digits":  # systems.AccuracyRunner's
-        return tf.keras.optimizers.legacy.SGD(0.05, momentum=0.9)
-    return workloads.optimizer("legacy")
-
-
-def _batch(workload):
-    if workload == "digits":
-        return systems.DIGITS_BATCH
-    if workload == "resnet50":
-        return RESNET_BATCH
-    return workloads.batch(workload)
-
-
-def _dataset(workload, batch):
-    """A dataset function's dataset (a worker's own, for digits: 1 of 1)."""
-    if workload == "digits":
-        return digits.train_dataset(tf.distribute.InputContext(), batch)
-    if workload == "resnet50":
-        rng = np.random.RandomState(workloads.SEED)
-        x = rng.rand(batch * 2, *RESNET_SHAPE).astype("float32")
-        y = rng.randint(0, 10, batch * 2)
-        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
-    return workloads.dataset(workload, batch)
-
-
-def _loss(workload):
-    """(the loop's loss(y, output), the loss for `compile`)."""
-    if workload in ("digits", "resnet50"):  # softmax outputs
-        return (
-            lambda y, p: tf.reduce_mean(
-                tf.keras.losses.sparse_categorical_crossentropy(y, p)
-            ),
-            tf.keras.losses.SparseCategoricalCrossentropy(),
-        )
-    return workloads.loss_fn(workload), workloads.keras_loss(workload)
-
-
-def _strategy(resolver, sync, workers):
-    if sync:
-        return tf2sync.SyncParameterServerStrategy(
-            resolver, replicas_to_aggregate=workers, total_num_replicas=workers
-        )
-    return tf.distribute.experimental.ParameterServerStrategy(resolver)
+            t.join(600)
+        if self.done is None or self.update is None:
+            raise RuntimeError("The first function or update was not seen.")
+        runs = [(s, g) for a, s, g in _GC_RUNS if t0 <= a <= self.update]
+        return {
+            "before_schedule_s": round(self.enter - t0, 4),
+            "trace_s": round(self.leave - self.enter, 4),
+            "register_s": round(self.done - self.leave - steady, 4),
+            "steady_function_s": round(steady, 4),
+            "first_function_s": round(self.done - t0, 4),
+            "first_update_s": round(self.update - t0, 4),
+            "update_polls": self.polls,
+            "gc_s": round(sum(s for s, _ in runs), 4),
+            "gc_full": sum(1 for _, g in runs if g == 2),
+            "first_scheduled": self.first,
+        }
 
 
 class _Server:
@@ -250,177 +148,78 @@ class _Server:
         self.measured = False
 
     def measure(self, system, workload, k, rounds):
+        """`system` on `workload` from its first call to its first update."""
         if self.measured:
             raise RuntimeError("One measurement per process.")
         self.measured = True
         sync = system.startswith("tf2sync")
         start = time.perf_counter()
-        strategy = _strategy(self.resolver, sync, self.workers)
-        batch = _batch(workload)
-        loop_loss, keras_loss = _loss(workload)
-        with strategy.scope():
-            model = _model(workload)
-            inner = _optimizer(workload)
-            opt = tf2sync.SyncOptimizer(inner) if sync else inner
-        fit = system.endswith("_fit")
-        if system == "tf2sync_trainer":
-            result = self._trainer(
-                strategy, model, opt, workload, batch, k, rounds, loop_loss
+        strategy = systems.strategy(self.resolver, sync, self.workers)
+        functions = rounds * self.workers
+        common = (strategy, workload, k, "legacy")
+        if system.endswith("_fit"):
+            runner = systems.FitRunner(*common, sync=sync, warmup=0)
+            clock = _Clock(runner.opt.iterations)
+            t0, collected = _start_clock()
+            steady = runner.run(functions)["seconds"] / rounds
+        elif system == "tf2sync_trainer":
+            clock, t0, collected, steady, runner = self._trainer(
+                strategy, workload, k, rounds
             )
-            result["setup_s"] = _setup_s(start, result.pop("t0"))
-        elif fit:
-            with strategy.scope():
-                model.compile(
-                    optimizer=opt, loss=keras_loss, steps_per_execution=k
-                )
-            result = self._fit(model, opt, workload, batch, k, rounds, start)
         else:
-            with strategy.scope():
-                if sync:
-                    opt.build(model.trainable_variables)
-                else:
-                    inner._create_all_weights(model.trainable_variables)
-            result = self._loop(
-                strategy,
-                model,
-                opt,
-                workload,
-                batch,
-                k,
-                rounds,
-                loop_loss,
-                unrolled=system == "tf2sync_loop",
+            group = None  # a tf.while_loop of single steps
+            if system == "tf2sync_loop":  # repeated, as Trainer's default
+                group = strategy.options.max_unrolled_steps
+            runner = systems.LoopRunner(
+                *common, sync=sync, group=group, warmup=0
             )
-            result["setup_s"] = _setup_s(start, result.pop("t0"))
+            clock = _Clock(runner.opt.iterations)
+            t0, collected = _start_clock()
+            runner.start()  # on the clock, as fit and Trainer build theirs
+            runner.schedule(self.workers)  # one first function per worker
+            runner.coordinator.join()
+            steady_start = time.perf_counter()
+            runner.schedule(functions)
+            runner.coordinator.join()
+            steady = (time.perf_counter() - steady_start) / rounds
         return {
             "system": system,
             "workload": workload,
             "k": k,
             "rounds": rounds,
-            "batch": batch,
-            "parameters": int(model.count_params()),
+            "batch": workloads.batch(workload),
+            "parameters": int(runner.model.count_params()),
             "ready_s": round(self.ready_s, 3),
-            **result,
+            "setup_s": round(t0 - start - collected, 4),
+            "steps": int(runner.opt.iterations.numpy()),
+            **clock.split(t0, steady),
         }
 
-    def _split(self, clock, t0, steady):
-        clock.join()
-        if clock.done is None or clock.update is None:
-            raise RuntimeError("The first function or update was not seen.")
-        first = clock.done - t0
-        gc_s, gc_full = _COLLECTIONS.between(t0, clock.update)
-        return {
-            "before_schedule_s": round(clock.enter - t0, 4),
-            "trace_s": round(clock.leave - clock.enter, 4),
-            "register_s": round(clock.done - clock.leave - steady, 4),
-            "steady_function_s": round(steady, 4),
-            "first_function_s": round(first, 4),
-            "first_update_s": round(clock.update - t0, 4),
-            "update_polls": clock.polls,
-            "gc_s": round(gc_s, 4),
-            "gc_full": gc_full,
-            "first_scheduled": clock.first,
-        }
-
-    def _loop(
-        self, strategy, model, opt, workload, batch, k, rounds, loss, unrolled
-    ):
-        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        group = strategy.options.max_unrolled_steps if unrolled else None
-
-        def replica(data):
-            x, y = data
-            with tf.GradientTape() as tape:
-                value = loss(y, model(x, training=True))
-            grads = tape.gradient(value, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-            return value
-
-        # As systems.LoopRunner: tf2sync_loop repeats the step in the graph
-        # (tf2sync.Trainer's default), tf2sync_loop_while and pss_async run
-        # a tf.while_loop of single steps.
-        @tf.function
-        def train(iterator):
-            if group is None:
-                for _ in tf.range(k):
-                    strategy.run(replica, args=(next(iterator),))
-                return tf.constant(0)
-
-            def step(count):
-                strategy.run(replica, args=(next(iterator),))
-                return count + 1
-
-            return loops.repeat(step, k, group, tf.constant(0))
-
-        clock = _Clock(opt.iterations)
-        t0 = _start_clock()
-        # Inside the clock, as `fit` and `Trainer.train` build theirs.
-        iterator = iter(
-            coordinator.create_per_worker_dataset(
-                lambda: _dataset(workload, batch)
-            )
-        )
-        for _ in range(self.workers):  # one first function per worker
-            coordinator.schedule(train, args=(iterator,))
-        coordinator.join()
-        steady_start = time.perf_counter()
-        for _ in range(rounds * self.workers):
-            coordinator.schedule(train, args=(iterator,))
-        coordinator.join()
-        steady = (time.perf_counter() - steady_start) / rounds
-        result = self._split(clock, t0, steady)
-        result["t0"] = t0
-        result["steps"] = int(opt.iterations.numpy())
-        return result
-
-    def _trainer(self, strategy, model, opt, workload, batch, k, rounds, loss):
-        # Its default loop (the step repeated in the graph, the first loop
-        # as single steps); t0 = the `train` call.
-        timer = systems._EpochTimer(1, lambda: [int(opt.iterations.numpy())])
+    def _trainer(self, strategy, workload, k, rounds):
+        """`Trainer.train` (its default loop) of 2 epochs, the 2nd timed."""
+        with strategy.scope():
+            model = workloads.build_model(workload)
+            opt = tf2sync.SyncOptimizer(workloads.optimizer())
+        timer = systems.EpochTimer(1, lambda: [int(opt.iterations.numpy())])
         trainer = tf2sync.Trainer(
             strategy=strategy,
             model=model,
             optimizer=opt,
-            loss_fn=loss,
+            loss_fn=workloads.loss_fn(workload),
             steps_per_loop=k,
             callbacks=[timer],
             verbose=0,
         )
         clock = _Clock(opt.iterations)
-        t0 = _start_clock()
+        t0, collected = _start_clock()
+        batch = workloads.batch(workload)
         trainer.train(
-            lambda ctx: _dataset(workload, batch),
+            lambda ctx: workloads.dataset(workload, batch),
             epochs=2,
             steps_per_epoch=rounds * self.workers * k,
         )
-        result = self._split(clock, t0, timer.seconds / rounds)
-        result["t0"] = t0
-        result["steps"] = int(opt.iterations.numpy())
-        return result
-
-    def _fit(self, model, opt, workload, batch, k, rounds, start):
-        if workload == "digits":  # as AccuracyRunner and the launcher
-            data = tf.keras.utils.experimental.DatasetCreator(
-                lambda ctx: digits.train_dataset(ctx, batch)
-            )
-        else:
-            data = _dataset(workload, batch)
-        timer = systems._EpochTimer(1, lambda: [int(opt.iterations.numpy())])
-        clock = _Clock(opt.iterations)
-        t0 = _start_clock()
-        model.fit(
-            data,
-            epochs=2,
-            steps_per_epoch=rounds * self.workers * k,
-            verbose=0,
-            callbacks=[timer],
-        )
-        steady = timer.seconds / rounds
-        result = self._split(clock, t0, steady)
-        result["setup_s"] = _setup_s(start, t0)
-        result["call_s"] = round(time.perf_counter() - t0, 4)
-        result["steps"] = int(opt.iterations.numpy())
-        return result
+        built = types.SimpleNamespace(model=model, opt=opt)
+        return clock, t0, collected, timer.seconds / rounds, built
 
 
 def main(argv):
@@ -429,10 +228,8 @@ def main(argv):
     resolver = tf2sync.testing.local_cluster(_WORKERS.value, 1)
     server = _Server(resolver, _WORKERS.value)
     server.ready_s = time.perf_counter() - _STARTED
-    procs.serve(
-        {"measure": server.measure},
-        ready={"workers": _WORKERS.value, "ready_s": round(server.ready_s, 3)},
-    )
+    ready = {"workers": _WORKERS.value, "ready_s": round(server.ready_s, 3)}
+    procs.serve({"measure": server.measure}, ready=ready)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,9 @@
-"""Runners of the ParameterServerStrategy family, for one chief process.
+"""Runners of the ParameterServerStrategy family, built once, timed often.
 
-Each runner is built once (model, optimizer, traced functions, a warm-up)
-and then timed any number of times with `run(functions)`, so that the
-harness can interleave repeats of several systems. A run returns examples,
-seconds and examples/s; synchronous systems count only aggregated
-gradients (accepted pushes x per-worker batch), asynchronous ones every
-applied step. `LocalRunner`: one process, global batch N x B;
-`LoopRunner`: a custom loop on a `ClusterCoordinator`, K steps per
-function, stock or tf2sync; `FitRunner`: `model.fit`; `AccuracyRunner`:
-time to a held-out accuracy on digits.
+`LocalRunner` (one process, global batch N x B), `LoopRunner` (a custom
+loop on a `ClusterCoordinator`) and `FitRunner` (`model.fit`), stock or
+tf2sync; `run(functions)` returns examples, seconds and examples/s
+(docs/benchmarks.md#how-the-harness-measures).
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ import tf2sync  # noqa: E402
 from tf2sync._src import loops  # noqa: E402
 from tf2sync._src import sharding  # noqa: E402
 from tf2sync._src.callbacks import sync_totals  # noqa: E402
-from tf2sync._src.jobs import digits  # noqa: E402
 
 WARMUP_FUNCTIONS = 4
 _POLL_SECONDS = 0.02
@@ -34,18 +28,18 @@ _worker_index = tf.distribute.coordinator.experimental_get_current_worker_index
 
 
 def result(examples, seconds, **extra) -> dict:
+    rate = round(examples / seconds, 1) if seconds else 0.0
     return {
         "examples": int(examples),
         "seconds": round(seconds, 4),
-        "examples_per_sec": round(examples / seconds, 1) if seconds else 0.0,
+        "examples_per_sec": rate,
         **extra,
     }
 
 
 def ps_bytes(variables) -> dict:
-    """{ps task index (str): bytes} of `variables` (model weights, slots),
-    by the device each lives on (a `ShardedVariable`'s shards each on
-    theirs); what lives elsewhere counts under "other"."""
+    """{ps task index (str), or "other": bytes} of `variables` by device
+    (each shard of a `ShardedVariable` on its own)."""
     found = {}
     for v in sharding.shards(variables):
         spec = tf.DeviceSpec.from_string(v.device or "")
@@ -55,9 +49,21 @@ def ps_bytes(variables) -> dict:
     return found
 
 
-def state_bytes(model, opt) -> dict:
-    """`ps_bytes` of the model's and the optimizer's variables."""
-    return ps_bytes(list(model.variables) + list(opt.variables()))
+def strategy(resolver, sync, workers, rta=None, total=None, shards=None):
+    """Stock PSS or tf2sync's (`rta` of `total`, default all workers), its
+    variables in `shards` (`FixedShardsPartitioner`) if given."""
+    part = shards and tf.distribute.experimental.partitioners
+    part = part and part.FixedShardsPartitioner(shards)
+    if not sync:
+        return tf.distribute.experimental.ParameterServerStrategy(
+            resolver, variable_partitioner=part
+        )
+    return tf2sync.SyncParameterServerStrategy(
+        resolver,
+        replicas_to_aggregate=rta or workers,
+        total_num_replicas=total or workers,
+        **({"variable_partitioner": part} if part else {}),
+    )
 
 
 def make_optimizer(model, kind, sync):
@@ -92,11 +98,9 @@ class LocalRunner:
                 opt.apply_gradients(zip(grads, model.trainable_variables))
 
         self.train = train
-        for _ in range(WARMUP_FUNCTIONS):
-            train(self.iterator)
+        self.run(WARMUP_FUNCTIONS)
 
     def run(self, functions, window=False):
-        del window
         start = time.perf_counter()
         for _ in range(functions):
             self.train(self.iterator)
@@ -106,44 +110,37 @@ class LocalRunner:
 
 
 class LoopRunner:
-    """A custom loop on a ClusterCoordinator, stock or tf2sync.
+    """A custom loop on a ClusterCoordinator, stock or tf2sync (`sync`).
 
-    Args:
-      strategy: A PSS (`sync=False`) or `tf2sync.SyncParameterServerStrategy`.
-      workload: "w1", "w2" or "w3".
-      k: Steps per scheduled function.
-      kind: The optimizer family (see `workloads.optimizer`).
-      sync: Whether the strategy and optimizer are tf2sync's.
-      delay_s: Seconds each step of worker 0 sleeps (0: none), after the
-        step's token and before its gradients: a straggler.
-      group: How the function repeats the step: None, a `tf.while_loop`
-        of single steps; an int, `tf2sync`'s loop with up to that many
-        copies of the step per loop iteration (`group >= k`: all k steps
-        repeated in the graph, no loop; `tf2sync.Trainer`'s default is
-        the strategy's `options.max_unrolled_steps`).
+    `group`: None, a `tf.while_loop` of single steps; an int, tf2sync's
+    loop with up to that many copies of the step per iteration. `delay_s`:
+    seconds each step of worker 0 sleeps (a straggler). `warmup`: functions
+    run now; with 0 the caller calls `start()` (builds the iterators).
     """
 
     def __init__(
-        self, strategy, workload, k, kind, *, sync, delay_s=0.0, group=None
+        self,
+        strategy,
+        workload,
+        k,
+        kind,
+        *,
+        sync,
+        delay_s=0.0,
+        group=None,
+        warmup=WARMUP_FUNCTIONS,
     ):
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
             strategy
         )
+        self.workload = workload
         self.batch = workloads.batch(workload)
         self.k = k
         self.sync = sync
         loss = workloads.loss_fn(workload)
         with strategy.scope():
-            model = workloads.build_model(workload)
-            opt = make_optimizer(model, kind, sync)
-        self.opt = opt
-        self.model = model
-        batch = self.batch
-        self.iterator = iter(
-            self.coordinator.create_per_worker_dataset(
-                lambda: workloads.dataset(workload, batch)
-            )
-        )
+            model = self.model = workloads.build_model(workload)
+            opt = self.opt = make_optimizer(model, kind, sync)
 
         def replica(data, delay):
             x, y = data
@@ -152,7 +149,7 @@ class LoopRunner:
                 with tf.control_dependencies([slept]):
                     x = tf.identity(x)
             with tf.GradientTape() as tape:
-                value = loss(y, model(x))
+                value = loss(y, model(x, training=True))
             grads = tape.gradient(value, model.trainable_variables)
             opt.apply_gradients(zip(grads, model.trainable_variables))
 
@@ -165,53 +162,55 @@ class LoopRunner:
             if group is None:
                 for _ in tf.range(k):
                     strategy.run(replica, args=(next(iterator), delay))
-                return
+                return tf.constant(0)
 
             def step(count):
                 strategy.run(replica, args=(next(iterator), delay))
                 return count + 1
 
-            loops.repeat(step, k, group, tf.constant(0))
+            return loops.repeat(step, k, group, tf.constant(0))
 
         self.train = train
-        for _ in range(WARMUP_FUNCTIONS):
-            self.coordinator.schedule(train, args=(self.iterator,))
-        self.coordinator.join()
+        if warmup:
+            self.start()
+            self.schedule(warmup)
+            self.coordinator.join()
+
+    def start(self):
+        workload, batch = self.workload, self.batch
+        self.iterator = iter(
+            self.coordinator.create_per_worker_dataset(
+                lambda: workloads.dataset(workload, batch)
+            )
+        )
+
+    def schedule(self, functions):
+        for _ in range(functions):
+            self.coordinator.schedule(self.train, args=(self.iterator,))
 
     def _counts(self):
         """(gradients in updates, updates) so far, read from the ps."""
-        if self.sync:
-            return (
-                int(self.opt.gradients_accepted.numpy()),
-                int(self.opt.iterations.numpy()),
-            )
         applied = int(self.opt.iterations.numpy())
+        if self.sync:
+            return int(self.opt.gradients_accepted.numpy()), applied
         return applied, applied
 
-    def _stale(self):
-        return int(self.opt.stale_dropped.numpy()) if self.sync else 0
-
-    def _per_worker(self):
-        """Gradients accepted from each worker so far (sync only)."""
+    def _sync_counts(self):
+        """[stale dropped, accepted from worker 0, 1, ...] so far."""
         if not self.sync:
             return []
-        totals = sync_totals(self.opt)  # accepted_w0, accepted_w1, ...
-        return [v for k, v in totals.items() if k.startswith("accepted_w")]
+        totals = sync_totals(self.opt)
+        accepted = [v for k, v in totals.items() if k.startswith("accepted_w")]
+        return [int(self.opt.stale_dropped.numpy()), *accepted]
 
     def run(self, functions, window=False):
-        """Times `functions` scheduled functions.
-
-        With `window`, the rate is taken between 20 % and 80 % of the
-        gradients counted (polled from the ps), which leaves out the start
-        and the tail where some workers have no function left.
-        """
+        """Times `functions` functions; with `window`, between 20 % and 80 %
+        of the gradients counted (no start, no tail)."""
         grads0, steps0 = self._counts()
-        stale0 = self._stale()
-        per_worker0 = self._per_worker()
+        sync0 = self._sync_counts()
         samples = []
         start = time.perf_counter()
-        for _ in range(functions):
-            self.coordinator.schedule(self.train, args=(self.iterator,))
+        self.schedule(functions)
         while window and not self.coordinator.done():
             samples.append((time.perf_counter(), self._counts()[0]))
             time.sleep(_POLL_SECONDS)
@@ -220,18 +219,18 @@ class LoopRunner:
         grads1, steps1 = self._counts()
         extra = {"steps": steps1 - steps0}
         if self.sync:
-            extra["pushes"] = functions * self.k
-            extra["stale_dropped"] = self._stale() - stale0
-            extra["accepted_per_worker"] = [
-                b - a for a, b in zip(per_worker0, self._per_worker())
-            ]
+            delta = [b - a for a, b in zip(sync0, self._sync_counts())]
+            extra.update(
+                pushes=functions * self.k,
+                stale_dropped=delta[0],
+                accepted_per_worker=delta[1:],
+            )
         examples = (grads1 - grads0) * self.batch
-        if window:
-            windowed = _window(samples, grads0, grads1)
-            if windowed:
-                seconds, grads = windowed
-                examples = grads * self.batch
-                extra["window"] = True
+        windowed = window and _window(samples, grads0, grads1)
+        if windowed:
+            seconds, grads = windowed
+            examples = grads * self.batch
+            extra["window"] = True
         return result(examples, seconds, **extra)
 
 
@@ -256,13 +255,9 @@ def _sleep(seconds):
     return tf.constant(0.0)
 
 
-class _EpochTimer(tf.keras.callbacks.Callback):
-    """Times one epoch of `fit` and counts what it did (DESIGN_NOTES C).
-
-    Under a ClusterCoordinator, `on_epoch_end` comes after the epoch's
-    `join`, so the counters read there (and at `on_epoch_begin`, after the
-    previous epoch's) are exact.
-    """
+class EpochTimer(tf.keras.callbacks.Callback):
+    """Times epoch `epoch` of `fit` and what `counts()` moved in it (read
+    after the epoch's join, so exact)."""
 
     def __init__(self, epoch, counts):
         super().__init__()
@@ -277,19 +272,24 @@ class _EpochTimer(tf.keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch == self.epoch:
             self.seconds = time.perf_counter() - self.start
-            after = self.counts()
-            self.done = [a - b for a, b in zip(after, self.before)]
+            self.done = [a - b for a, b in zip(self.counts(), self.before)]
 
 
 class FitRunner:
-    """`model.fit` with `steps_per_execution=k`, stock or tf2sync.
+    """`model.fit` with `steps_per_execution=k`, stock or tf2sync; with
+    `keras_loop`, after `tf2sync.unroll_fit_steps(model, False)`."""
 
-    tf2sync's `fit` repeats its steps in each function by default; with
-    `keras_loop`, after `tf2sync.unroll_fit_steps(model, False)` (tf_keras's
-    `tf.range` loop).
-    """
-
-    def __init__(self, strategy, workload, k, kind, *, sync, keras_loop=False):
+    def __init__(
+        self,
+        strategy,
+        workload,
+        k,
+        kind,
+        *,
+        sync,
+        keras_loop=False,
+        warmup=WARMUP_FUNCTIONS,
+    ):
         self.batch = workloads.batch(workload)
         self.k = k
         self.sync = sync
@@ -305,29 +305,21 @@ class FitRunner:
         if keras_loop:
             tf2sync.unroll_fit_steps(self.model, False)
         self.data = workloads.dataset(workload, self.batch)
-        self.model.fit(
-            self.data, epochs=1, steps_per_epoch=WARMUP_FUNCTIONS * k, verbose=0
-        )
+        if warmup:
+            self.model.fit(
+                self.data, epochs=1, steps_per_epoch=warmup * k, verbose=0
+            )
 
     def _counts(self):
-        """(gradients in updates, updates) so far, read from the ps."""
         steps = int(self.opt.iterations.numpy())
         if self.sync:
             return int(self.opt.gradients_accepted.numpy()), steps
         return steps, steps
 
     def run(self, functions, window=False):
-        """One `fit` call of 2 epochs of `functions` x k steps; times the 2nd.
-
-        The second epoch is what a `fit` of several epochs sustains (its
-        iterators, its steps, its end-of-epoch logs). The first also holds
-        the call's own start: tf_keras builds each worker's input pipeline
-        again for every `fit` call and ships it, data included (w2: 6 MB of
-        images per worker), as it does under stock PSS; the loops build
-        theirs once, untimed. The CPU per example is over both epochs.
-        """
-        del window
-        timer = _EpochTimer(1, self._counts)
+        """One `fit` of 2 epochs of `functions` x k steps; times the 2nd
+        (the 1st also builds and ships the input pipelines)."""
+        timer = EpochTimer(1, self._counts)
         start = time.perf_counter()
         self.model.fit(
             self.data,
@@ -348,107 +340,12 @@ class FitRunner:
         )
 
     def _settle(self):
-        """Deletes this `fit`'s per-worker iterators now, untimed.
-
-        They become garbage when `fit` returns, and their deletion runs on
-        each worker's queue of remote work, ahead of the functions of
-        whatever runs next on the same cluster: a custom loop timed right
-        after `fit` took up to 1.5 x its usual time with its usual CPU.
-        """
+        """Deletes this `fit`'s per-worker iterators now, untimed: their
+        deletion otherwise runs on the workers ahead of the next system's
+        functions (a loop timed after `fit` took up to 1.5 x as long)."""
         gc.collect()
         coordinator = self.model._cluster_coordinator
         if coordinator is not None:
             for _ in coordinator._cluster.workers:
                 coordinator.schedule(_nothing)
             coordinator.join()
-
-
-DIGITS_BATCH = 32
-
-
-class _AccuracyClock(tf.keras.callbacks.Callback):
-    """Training seconds at each epoch's end, evaluation off the clock."""
-
-    def __init__(self, evaluate):
-        super().__init__()
-        self.evaluate = evaluate
-        self.curve = []
-
-    def on_train_begin(self, logs=None):
-        self.seconds = 0.0
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds += time.perf_counter() - self.start
-        self.curve.append((round(self.seconds, 3), self.evaluate()))
-        self.start = time.perf_counter()
-
-
-class AccuracyRunner:
-    """The launcher's default job (`jobs.digits`: a small conv net, 1,500
-    training and 297 held-out images through a `DatasetCreator`), a fresh
-    model on a fresh strategy (`make_strategy()`) per run, `model.fit`
-    with momentum SGD at `learning_rate`, synchronous (tf2sync, `sync`) or
-    not, for `epochs`; after each epoch the held-out accuracy, off the
-    clock. At one rate a synchronous epoch makes 1 / N of an asynchronous
-    one's updates, so the harness runs both over a grid of rates.
-    """
-
-    def __init__(
-        self, make_strategy, *, sync, k, epochs, target, learning_rate
-    ):
-        self.make_strategy = make_strategy
-        self.sync, self.k, self.epochs = sync, k, epochs
-        self.target, self.learning_rate = target, learning_rate
-        self.x, self.y = digits.eval_arrays()
-        self.local = None
-
-    def _accuracy(self, model):
-        self.local.set_weights(model.get_weights())
-        predicted = tf.argmax(self.local(self.x), axis=-1).numpy()
-        return round(float((predicted == self.y).mean()), 4)
-
-    def run(self, functions=None, window=False):
-        del functions, window
-        strategy = self.make_strategy()
-        if self.local is None:  # after connecting: it lives on the chief
-            self.local = digits.build_model()
-        with strategy.scope():
-            model = digits.build_model()
-            inner = tf.keras.optimizers.legacy.SGD(
-                self.learning_rate, momentum=0.9
-            )
-            opt = tf2sync.SyncOptimizer(inner) if self.sync else inner
-            model.compile(
-                optimizer=opt, loss=digits.LOSS, steps_per_execution=self.k
-            )
-        data = tf.keras.utils.experimental.DatasetCreator(
-            lambda ctx: digits.train_dataset(ctx, DIGITS_BATCH)
-        )
-        steps = digits.num_train_examples() // DIGITS_BATCH
-        clock = _AccuracyClock(lambda: self._accuracy(model))
-        model.fit(
-            data,
-            epochs=self.epochs,
-            steps_per_epoch=steps,
-            verbose=0,
-            callbacks=[clock],
-        )
-        reached = [
-            (epoch + 1, s)
-            for epoch, (s, acc) in enumerate(clock.curve)
-            if acc >= self.target
-        ]
-        return {
-            "target": self.target,
-            "learning_rate": self.learning_rate,
-            "epochs_to_target": reached[0][0] if reached else None,
-            "seconds_to_target": reached[0][1] if reached else None,
-            "final_accuracy": clock.curve[-1][1],
-            "curve": clock.curve,
-            "examples": self.epochs * steps * DIGITS_BATCH,
-            "seconds": clock.seconds,
-            "examples_per_sec": round(
-                self.epochs * steps * DIGITS_BATCH / clock.seconds, 1
-            ),
-        }

@@ -1,21 +1,7 @@
-"""Benchmark subprocess: TF1's `SyncReplicasOptimizer`, in graph mode.
-
-What a TF1 user runs instead of tf2sync: between-graph replication with
-`tf.compat.v1.train.SyncReplicasOptimizer` (replicas_to_aggregate = total =
-the number of workers) over a `MomentumOptimizer`, one
-`MonitoredTrainingSession` per worker (one thread each; worker 0 is the
-chief), against an in-process cluster of N workers and `--ps` ps on
-127.0.0.1, as TF's own `sync_replicas_optimizer_test.py` wires it. With
-`--shards=S` (w3, w4) the embedding is a partitioned variable
-(`fixed_size_partitioner(S)`, read by `tf.nn.embedding_lookup`), its parts
-placed round robin over the ps by `replica_device_setter`. Eager execution
-is disabled, hence a process of its own. Examples count N x B per global
-step. Commands (see `procs.serve`): `setup(steps)` builds the graphs and
-sessions, starts the workers' threads and trains `steps` global steps
-(warm-up); `run(steps)` trains and times `steps` more.
-
-Started by benchmarks/harness.py and ps_scaling.py, not by hand.
-"""
+"""Benchmark subprocess: TF1's `SyncReplicasOptimizer` in graph mode, one
+`MonitoredTrainingSession` per worker thread (docs/benchmarks.md#systems).
+Commands (`procs.serve`): `setup(steps)` builds and warms up, `run(steps)`
+times `steps` more global steps (N x B examples each)."""
 
 from __future__ import annotations
 
@@ -27,6 +13,7 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import procs  # noqa: E402
+import systems  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import workloads  # noqa: E402
 from absl import app  # noqa: E402
@@ -92,7 +79,7 @@ class _Replica:
                     total_num_replicas=num_workers,
                 )
                 self.train_op = opt.minimize(loss, global_step=self.global_step)
-                self.ps_bytes = _ps_bytes(v1.global_variables())
+                self.ps_bytes = systems.ps_bytes(v1.global_variables())
                 hook = opt.make_session_run_hook(
                     index == 0, num_tokens=num_workers
                 )
@@ -132,27 +119,10 @@ def _partitioned_model(workload, shards):
     return model
 
 
-def _ps_bytes(variables):
-    """{ps task (str): bytes} of the graph's variables (slots and
-    accumulators' variables included; the accumulators are not)."""
-    found = {}
-    for v in variables:
-        spec = tf.DeviceSpec.from_string(v.device or "")
-        key = str(spec.task) if spec.job == "ps" else "other"
-        size = v.shape.num_elements() * v.dtype.size
-        found[key] = found.get(key, 0) + size
-    return found
-
-
 class _Server:
-    """Worker threads that train nonstop while the gate is open.
-
-    A worker that ran a fixed number of steps and stopped could leave
-    another blocked forever on a token (TF1 drops the first post-start
-    gradients as stale, so the tokens do not add up): a run instead opens
-    the gate until the global step has risen by `steps`, then closes it;
-    a worker blocked on a token goes on at the next run.
-    """
+    """Worker threads that train while the gate is open: a run opens it
+    until the global step rose by `steps` (fixed step counts per worker
+    can leave one blocked on a token forever)."""
 
     def __init__(self, num_workers, workload, num_ps=1, shards=1):
         self.num_ps = num_ps

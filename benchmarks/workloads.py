@@ -1,23 +1,5 @@
-"""The benchmark workloads: models, synthetic data, losses, optimizers.
-
-* w1: MLP 32 -> 64 relu -> 10, batch 32 per worker.
-* w2: CNN on 32x32x3 (conv 32, conv 64 stride 2, conv 64 stride 2, global
-  average pool, dense 10), batch 64 per worker.
-* w3: sparse: Embedding 100,000 x 32 over 20 ids per example, mean,
-  dense 64 relu, dense 1 (mean squared error), batch 128 per worker.
-* w4: sparse and large: Embedding 2,000,000 x 32 (256 MB of float32, as
-  much again in momentum), otherwise w3, batch 128 per worker; run with its
-  variables partitioned over 2 ps (the sharding scenario). `w4_r<ROWS>` is
-  w4 with ROWS embedding rows (the smoke run's tiny table).
-* w1_h<H>: w1 with H hidden units (the model-size sweep; w1 is w1_h64).
-
-Embedding tables are initialized by a callable (tf_keras's `uniform`, which
-takes `partition_shape`): under a partitioner each shard's initial value is
-made on its own ps, not sent from the chief as one 256 MB constant.
-
-Data are synthetic with a fixed seed (8 batches, repeated); the optimizer
-is momentum SGD (0.01, momentum 0.9).
-"""
+"""The benchmark workloads (models, synthetic data, losses, optimizers);
+docs/benchmarks.md#workloads describes each."""
 
 from __future__ import annotations
 
@@ -30,23 +12,27 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 WORKLOADS = ("w1", "w2", "w3", "w4")
-WIDTHS = (64, 256, 1024, 4096)  # hidden units of the model-size sweep
 VOCAB = 100_000
-# Embedding rows: w3's; "w3_x4", w3 with a table 4 x as large (the memory
-# scenario's control: what grows with the table); w4's.
+# Embedding rows: w3's; "w3_x4" (the memory scenario's control); w4's.
 VOCABS = {"w3": VOCAB, "w3_x4": 4 * VOCAB, "w4": 2_000_000}
-BATCH = {"w1": 32, "w2": 64} | {w: 128 for w in VOCABS}
-BATCH |= {f"w1_h{h}": 32 for h in WIDTHS}
+BATCH = {"w1": 32, "w2": 64, "digits": 32, "resnet50": 4}
 EMBED_DIM = 32
 IDS_PER_EXAMPLE = 20
 LEARNING_RATE = 0.01
 MOMENTUM = 0.9
 SEED = 0
+RESNET_SHAPE = (64, 64, 3)
+SOFTMAX = ("digits", "resnet50")  # models that end in a softmax
+
+
+def _digits():
+    from tf2sync._src.jobs import digits  # needs scikit-learn
+
+    return digits
 
 
 def vocab(workload: str) -> int | None:
-    """Embedding rows of a sparse workload (w3, w3_x4, w4, w4_r<ROWS>),
-    else None."""
+    """Embedding rows of a sparse workload (w3, w3_x4, w4, w4_r<ROWS>)."""
     if workload in VOCABS:
         return VOCABS[workload]
     if workload.startswith("w4_r") and workload[4:].isdigit():
@@ -63,13 +49,9 @@ def build_model(workload: str) -> tf.keras.Model:
     """The workload's tf_keras model (create it under the strategy scope)."""
     tf.keras.utils.set_random_seed(SEED)
     layers = tf.keras.layers
-    if workload == "w1" or workload.startswith("w1_h"):
-        width = 64 if workload == "w1" else int(workload[len("w1_h") :])
+    if workload == "w1":
         return tf.keras.Sequential(
-            [
-                layers.Dense(width, activation="relu", input_shape=(32,)),
-                layers.Dense(10),
-            ]
+            [layers.Dense(64, "relu", input_shape=(32,)), layers.Dense(10)]
         )
     if workload == "w2":
         return tf.keras.Sequential(
@@ -94,47 +76,55 @@ def build_model(workload: str) -> tf.keras.Model:
                 layers.Dense(1),
             ]
         )
+    if workload == "digits":
+        return _digits().build_model()
+    if workload == "resnet50":
+        return tf.keras.applications.ResNet50(
+            weights=None, input_shape=RESNET_SHAPE, classes=10
+        )
     raise ValueError(f"Unknown workload. Received: workload={workload!r}")
 
 
 def make_data(workload: str, n: int, seed: int = SEED):
     """`n` synthetic (x, y) examples of the workload, as NumPy arrays."""
     rng = np.random.RandomState(seed)
-    if workload.startswith("w1"):
-        return rng.randn(n, 32).astype("float32"), rng.randint(0, 10, n)
-    if workload == "w2":
-        x = rng.randn(n, 32, 32, 3).astype("float32")
+    shape = {"w1": (32,), "w2": (32, 32, 3), "resnet50": RESNET_SHAPE}
+    if workload in shape:
+        x = rng.randn(n, *shape[workload]).astype("float32")
         return x, rng.randint(0, 10, n)
     x = rng.randint(0, vocab(workload), size=(n, IDS_PER_EXAMPLE))
     return x, rng.randn(n, 1).astype("float32")
 
 
 def dataset(workload: str, batch: int, seed: int = SEED) -> tf.data.Dataset:
-    """8 batches of `batch` examples, repeated forever."""
+    """8 batches of `batch` examples, repeated forever (digits: its own)."""
+    if workload == "digits":
+        return _digits().train_dataset(tf.distribute.InputContext(), batch)
     x, y = make_data(workload, batch * 8, seed)
     return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
-
-
-def loss_fn(workload: str):
-    """`loss(y, logits)`: the mean over the batch (for custom loops)."""
-    if vocab(workload):
-        return lambda y, p: tf.reduce_mean(tf.square(y - p))
-    return lambda y, p: tf.reduce_mean(
-        tf.keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True)
-    )
 
 
 def keras_loss(workload: str):
     """The loss for `model.compile`."""
     if vocab(workload):
         return "mse"
-    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    logits = workload not in SOFTMAX
+    return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=logits)
+
+
+def loss_fn(workload: str):
+    """`loss(y, output)`: the mean over the batch (for custom loops)."""
+    if vocab(workload):
+        return lambda y, p: tf.reduce_mean(tf.square(y - p))
+    logits = workload not in SOFTMAX
+    return lambda y, p: tf.reduce_mean(
+        tf.keras.losses.sparse_categorical_crossentropy(y, p, logits)
+    )
 
 
 def optimizer(kind: str = "legacy"):
     """Momentum SGD: `legacy` (fused kernels, lazy sparse momentum, as TF1's
-    MomentumOptimizer) or `keras` (`tf.keras.optimizers.SGD`, whose momentum
-    updates the whole embedding every step)."""
+    MomentumOptimizer) or `keras` (dense momentum)."""
     if kind == "legacy":
         return tf.keras.optimizers.legacy.SGD(LEARNING_RATE, momentum=MOMENTUM)
     if kind == "keras":
@@ -143,13 +133,9 @@ def optimizer(kind: str = "legacy"):
 
 
 def compute_seconds(workload: str, kind: str = "legacy", steps: int = 20):
-    """Seconds of one local training step at the per-worker batch.
-
-    The straggler scenario delays one worker by a multiple of this.
-    """
-    model = build_model(workload)
-    opt = optimizer(kind)
-    loss = loss_fn(workload)
+    """Seconds of one local training step at the per-worker batch (the
+    straggler scenario delays one worker by a multiple of this)."""
+    model, opt, loss = build_model(workload), optimizer(kind), loss_fn(workload)
     it = iter(dataset(workload, batch(workload)))
 
     @tf.function
