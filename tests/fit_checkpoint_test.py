@@ -3,6 +3,7 @@
 import os
 import shutil
 import tempfile
+import time
 
 import tensorflow as tf
 import testutil
@@ -158,6 +159,49 @@ class ResumeInsideAnEpochTest(absltest.TestCase):
             ["ckpt-0_2", "ckpt-0_4", "ckpt-0_6", "ckpt-1"]
             + ["ckpt-1_2", "ckpt-1_4", "ckpt-1_6", "ckpt-2"],
         )
+
+    def test_seconds_are_the_trainings_not_the_schedulings(self):
+        # fit schedules an epoch's 10 calls at once; the steps then take
+        # 20 ms each (2 workers: ~0.4 s an epoch). A clock read as calls
+        # are scheduled saw < 0.15 s and never saved inside the epoch.
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = testutil.dense_model()
+            model.compile(
+                optimizer=tf2sync.SyncOptimizer(tf.keras.optimizers.SGD(0.05)),
+                loss="mse",
+                steps_per_execution=4,
+            )
+        x, y = testutil.data("dense", 16)
+
+        def slow(x):
+            time.sleep(0.02)
+            return x
+
+        data = (
+            tf.data.Dataset.from_tensors((x, y))
+            .repeat()
+            .map(
+                lambda x, y: (
+                    tf.ensure_shape(
+                        tf.numpy_function(slow, [x], x.dtype), x.shape
+                    ),
+                    y,
+                )
+            )
+        )
+        # Set up first (tracing, the first steps): the measured epoch's
+        # calls are then all scheduled within milliseconds.
+        model.fit(data, epochs=1, steps_per_epoch=40, verbose=0)
+        directory = tempfile.mkdtemp()
+        saver = tf2sync.SyncCheckpoint(
+            directory, every_seconds=0.15, max_to_keep=20
+        )
+        model.fit(
+            data, epochs=1, steps_per_epoch=40, callbacks=[saver], verbose=0
+        )
+        inside = [s for s in _saves(directory) if "_" in s]
+        self.assertNotEmpty(inside, _saves(directory))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import io
 import os
 import tempfile
 import threading
+import time
 from unittest import mock
 
 import numpy as np
@@ -761,6 +762,41 @@ class TrainerTest(parameterized.TestCase):
         )
         self.assertLess(
             testutil.max_abs_diff(model.get_weights(), uninterrupted), 1e-6
+        )
+
+    def test_checkpoint_seconds_are_the_trainings(self):
+        # The trainer schedules an epoch's 20 functions at once (within
+        # its set-up, under 0.8 s); their steps take 50 ms each (2 s an
+        # epoch on 2 workers). A clock read as they are scheduled never
+        # saw 0.8 s pass inside the second epoch.
+        def slow(x):
+            time.sleep(0.05)
+            return x
+
+        def dataset_fn(input_context):
+            return _dataset_fn(input_context).map(
+                lambda x, y: (
+                    tf.ensure_shape(
+                        tf.numpy_function(slow, [x], x.dtype), x.shape
+                    ),
+                    y,
+                )
+            )
+
+        directory = tempfile.mkdtemp()
+        trainer = _trainer(
+            _parts(),
+            4,
+            checkpoint_dir=directory,
+            checkpoint_every_seconds=0.8,
+            max_to_keep=50,
+        )
+        trainer.train(dataset_fn, epochs=1, steps_per_epoch=80)  # set up
+        trainer.train(dataset_fn, epochs=2, steps_per_epoch=80)
+        state = tf.train.get_checkpoint_state(directory)
+        names = [os.path.basename(p) for p in state.all_model_checkpoint_paths]
+        self.assertNotEmpty(
+            [n for n in names if n.startswith("ckpt-1_")], names
         )
 
     @parameterized.named_parameters(

@@ -256,6 +256,18 @@ class SyncMetrics(tf_keras.callbacks.ProgbarLogger):
             )
 
 
+def wait_for_function(result) -> None:
+    """Waits until the scheduled function of `result` (its `RemoteValue`,
+    or `fit`'s logs of it) has run. Its error is not raised here: the
+    next `schedule` or `join` raises it."""
+    if isinstance(result, LogsWithSyncTotals):
+        result = result._logs  # not the totals: no read on the ps
+    try:
+        result.fetch()
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
+
+
 class LogsWithSyncTotals(tf.distribute.experimental.coordinator.RemoteValue):
     """The logs of one scheduled `fit` function, plus the sync totals.
 

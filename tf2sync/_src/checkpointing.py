@@ -109,14 +109,30 @@ class Cadence:
     def __init__(self, every_steps=None, every_seconds=None):
         self.every_steps = every_steps
         self.every_seconds = every_seconds
+        self._scheduled = collections.deque()
         self.saved(0)
+
+    def scheduled(self, result, lookahead: int) -> None:
+        """A function was scheduled (`result`: its `RemoteValue`, or
+        `fit`'s logs of it). With `every_seconds`, waits for the one
+        scheduled `lookahead` functions before (2 per worker keep every
+        worker busy): under PSS the loop schedules up to hundreds of
+        functions ahead, and a clock read at scheduling time would run
+        ahead of the training it measures (a whole epoch scheduled
+        within `every_seconds` was never saved inside)."""
+        if self.every_seconds is None:
+            return
+        self._scheduled.append(result)
+        while len(self._scheduled) > lookahead:
+            callbacks_lib.wait_for_function(self._scheduled.popleft())
 
     def __bool__(self):
         return bool(self.every_steps or self.every_seconds)
 
     def saved(self, step: int) -> None:
         """A save was made at `step` of its epoch (0: at an epoch's start
-        or end)."""
+        or end), after a join."""
+        self._scheduled.clear()
         self._step = step
         self._at = time.monotonic()
 

@@ -9,6 +9,7 @@ from absl import logging
 
 from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import checkpointing
+from tf2sync._src.internals import cluster_coordinator
 from tf2sync._src.internals import keras_training
 
 
@@ -170,13 +171,16 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
         self._cadence.epoch_begins(start_step if epoch == start_epoch else 0)
 
     def on_train_batch_end(self, batch, logs=None):
+        coordinator = keras_training.model_coordinator(self.model)
+        if self.every_seconds and coordinator is not None and logs is not None:
+            workers = cluster_coordinator.coordinator_workers(coordinator)
+            self._cadence.scheduled(logs, 2 * len(workers))
         done = int(batch) + 1  # steps of this epoch run (fit's count)
         steps = (self.params or {}).get("steps")
         if steps is not None and done >= steps:
             return  # the epoch's end saves
         if not self._cadence.due(done):
             return
-        coordinator = keras_training.model_coordinator(self.model)
         if coordinator is not None:
             coordinator.join()
         self._save(f"{self._epoch}_{done}")

@@ -298,6 +298,7 @@ class Trainer(trainer_epochs.EpochsMixin):
             rest_fn = None
             if rest:
                 rest_fn = single or self._loop_function(steps=1)
+        self._cadence.saved(0)  # seconds count from here
         checks.warn_batch_hooks_uncalled(self._callbacks)
         callbacks_lib.use_optimizer(self._callbacks, self.optimizer)
         callback_list.on_train_begin()

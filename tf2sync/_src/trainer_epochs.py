@@ -167,7 +167,12 @@ class EpochsMixin:
                 ps_strategy.cluster_resolver(self.strategy),
                 self.steps_per_loop,
             )
-            results, done = [], first_step
+            results, done, lookahead = [], first_step, 0
+            if self._cadence.every_seconds is not None:
+                workers = cluster_coordinator.coordinator_workers(
+                    self.coordinator
+                )
+                lookahead = 2 * len(workers)
             for function, steps in functions:
                 if wait and function is loop:
                     loops.wait_for_first_step(results[0][0])
@@ -177,6 +182,7 @@ class EpochsMixin:
                 )
                 results.append((scheduled, steps))
                 done += steps
+                self._cadence.scheduled(scheduled, lookahead)
                 self._maybe_save_inside(epoch, done, steps_per_epoch)
             loss = self._fetch_mean_loss(results)
             self.coordinator.join()
