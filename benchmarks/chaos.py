@@ -70,6 +70,11 @@ _FLAGS = {
     "freeze_seconds": (240.0, None, "How long worker_freeze stops a worker."),
     "restart_delay": (5.0, None, "Seconds before a killed task restarts."),
     "worker_timeout": (10.0, None, "The chief's --worker_timeout."),
+    "checkpoint_every_s": (
+        0.0,
+        None,
+        "The chief's --checkpoint_every_s (0: saves at epoch ends only).",
+    ),
     "token_timeout": (-1.0, None, "The chief's --token_timeout (-1: its own)."),
     "run_timeout": (900.0, None, "Seconds before a run is abandoned."),
     "keep": (False, None, "Keep each run's directory."),
@@ -106,6 +111,7 @@ class Outcome:
     weight_diff: float | None = None
     stalls: list = dataclasses.field(default_factory=list)
     redone: int = 0
+    redone_s: float = 0.0
     left_behind: list = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     seed: int = 0
@@ -161,19 +167,26 @@ class Progress:
         return -1
 
     def updates(self):
-        """Times at which the step went up; and the updates rolled back."""
-        times, previous, top, redone = [], None, 0, 0
+        """Times at which the step went up; the updates rolled back; and
+        the seconds of training they had taken (from when the step first
+        reached the restored value to when it first reached the top)."""
+        times, previous, top, redone, seconds = [], None, 0, 0, 0.0
+        first = []  # (time, step) when each new top was first seen
         for t, value in self.lines:
             if value == "begin":
                 previous = None
             elif isinstance(value, int):
-                if previous is None:
-                    redone += max(0, top - value)
-                elif value > previous:
+                if previous is None and value < top:
+                    redone += top - value
+                    since = next(t0 for t0, v in first if v >= value)
+                    seconds += first[-1][0] - since
+                elif previous is not None and value > previous:
                     times.append(t)
+                if value > top or not first:
+                    first.append((t, value))
                 previous = value
                 top = max(top, value)
-        return times, redone
+        return times, redone, round(seconds, 1)
 
 
 def _stall(update_times, start, end):
@@ -243,6 +256,8 @@ class Run:
             args.append(f"--token_timeout={s['token_timeout']:g}")
         if s["worker_timeout"] is not None:
             args.append(f"--worker_timeout={s['worker_timeout']:g}")
+        if s.get("checkpoint_every_s"):
+            args.append(f"--checkpoint_every_s={s['checkpoint_every_s']:g}")
         return args
 
     def start_chief(self):
@@ -388,7 +403,7 @@ def _cluster_run(fault, settings, rng):
             printed = int(_APPLIED.search(output).group(1))
             if printed != outcome.applied:
                 outcome.note += f"printed {printed} applied; "
-        times, outcome.redone = run.progress.updates()
+        times, outcome.redone, outcome.redone_s = run.progress.updates()
         end = next(
             (t for t, v in reversed(run.progress.lines) if v == "end"),
             time.time(),
@@ -485,7 +500,9 @@ def table(outcomes):
             delay=s["restart_delay"], freeze=s["freeze_seconds"]
         )
         num_ps = s.get("num_ps", 1)  # runs recorded before the flag: 1
-        return text if num_ps == 1 else f"{text}, {num_ps} ps"
+        text = text if num_ps == 1 else f"{text}, {num_ps} ps"
+        every = s.get("checkpoint_every_s")
+        return f"{text}, a save every {every:g} s" if every else text
 
     groups = {}
     for o in sorted(outcomes, key=lambda o: list(FAULTS).index(o.fault)):
@@ -495,7 +512,7 @@ def table(outcomes):
         left = sum(len(o.left_behind) for o in mine)
         seconds = f"{median(o.seconds for o in mine):.0f}"
         if fault == "launcher_kill":
-            rows.append([name, len(mine), *["n/a"] * 6, left, seconds])
+            rows.append([name, len(mine), *["n/a"] * 7, left, seconds])
             continue
         done = [o for o in mine if o.completed]
         applied = [o for o in done if o.applied is not None]
@@ -510,6 +527,7 @@ def table(outcomes):
                 _fmt([max(0, o.applied - o.planned) for o in applied], "g"),
                 _fmt([max(0, o.planned - o.applied) for o in applied], "g"),
                 _fmt([o.redone for o in mine], "g"),
+                _fmt([o.redone_s for o in mine], ".1f"),
                 _fmt([x for o in mine for x in o.stalls], ".1f"),
                 left,
                 seconds,
@@ -520,6 +538,7 @@ def table(outcomes):
     header += ["work lost, updates (median / max)"]
     header += [
         "updates redone (median / max)",
+        "training redone, seconds (median / max)",
         "seconds stalled (median / max)",
     ]
     header += ["processes left behind", "seconds per run (median)"]
