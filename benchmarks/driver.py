@@ -71,20 +71,17 @@ class Endpoint:
         return [child.receive(timeout) for child in self.children]
 
     def setup(self, timeout):
-        key = {"key": self.name} if self.kind == "pss" else {}
+        key = {} if self.kind == "tf1" else {"key": self.name}
         return self._all("setup", timeout, **self.setup_args, **key)[0]
 
     def run(self, functions, k, timeout, window=False):
-        per_worker = max(1, functions // self.workers)
-        if self.kind == "pss":
-            if self.name.startswith("local"):
-                functions = per_worker
-            args = {"key": self.name, "functions": functions, "window": window}
-            return self._all("run", timeout, **args)[0]
         if self.kind == "tf1":
             steps = max(1, functions * k // self.workers)
             return self._all("run", timeout, steps=steps)[0]
-        results = self._all("run", timeout, functions=per_worker)
+        if self.kind == "mwms" or self.name == "local":  # each on its batch
+            functions = max(1, functions // self.workers)
+        args = {"key": self.name, "functions": functions, "window": window}
+        results = self._all("run", timeout, **args)
         seconds = max(r["seconds"] for r in results)
         rate = round(results[0]["examples"] / seconds, 1)
         return {**results[0], "seconds": seconds, "examples_per_sec": rate}
@@ -163,8 +160,8 @@ class Bench:
         for i in range(workers):
             task = {"cluster": cluster, "task": {"type": "worker", "index": i}}
             env = {"TF_CONFIG": json.dumps(task), **self.worker_device_env(i)}
-            args = [f"--workload={workload}", f"--optimizer={self.s.optimizer}"]
-            argv = self.python("mwms_worker.py", *args)
+            args = ["--mwms", f"--optimizer={self.s.optimizer}"]
+            argv = self.python("pss_worker.py", *args)
             children.append(self.start(f"mwms_{workload}{tag}_{i}", argv, env))
         return children
 

@@ -103,7 +103,7 @@ def scenario_main(bench, workload, workers=2):
             )
         if "mwms" in s.systems:
             children = bench.start_mwms(workload, workers, tag=tag)
-            args = {"k": s.k}
+            args = {"system": "mwms", **common}
             endpoints.append(Endpoint("mwms", "mwms", children, args, workers))
         # Each baseline beside its current system in the first round.
         endpoints.sort(

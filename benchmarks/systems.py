@@ -8,6 +8,7 @@ tf2sync; `run(functions)` returns examples, seconds and examples/s
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -78,24 +79,42 @@ def make_optimizer(model, kind, sync):
 
 
 class LocalRunner:
-    """One process, the global batch (workers x B), K steps per function."""
+    """One process on the global batch (workers x B), K steps per function;
+    with a `MultiWorkerMirroredStrategy`, one of its workers (B each)."""
 
-    def __init__(self, workload, workers, k, kind):
-        self.batch = workloads.batch(workload) * workers
+    def __init__(self, workload, workers, k, kind, strategy=None):
+        replicas = strategy.num_replicas_in_sync if strategy else 1
+        self.batch = workloads.batch(workload) * workers * replicas
         self.k = k
-        model = workloads.build_model(workload)
-        opt = make_optimizer(model, kind, sync=False)
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = workloads.build_model(workload)
+            opt = make_optimizer(model, kind, sync=False)
         loss = workloads.loss_fn(workload)
-        self.iterator = iter(workloads.dataset(workload, self.batch))
+        batch = self.batch // replicas
+        if strategy:
+            data = strategy.distribute_datasets_from_function(
+                lambda _: workloads.dataset(workload, batch)
+            )
+        else:
+            data = workloads.dataset(workload, batch)
+        self.iterator = iter(data)
+
+        def replica(batch):
+            x, y = batch
+            with tf.GradientTape() as tape:
+                value = loss(y, model(x))
+                if replicas > 1:  # MWMS sums the replicas' gradients
+                    value = value / replicas
+            grads = tape.gradient(value, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
 
         @tf.function
         def train(iterator):
             for _ in tf.range(k):
-                x, y = next(iterator)
-                with tf.GradientTape() as tape:
-                    value = loss(y, model(x))
-                grads = tape.gradient(value, model.trainable_variables)
-                opt.apply_gradients(zip(grads, model.trainable_variables))
+                if strategy:
+                    strategy.run(replica, args=(next(iterator),))
+                else:
+                    replica(next(iterator))
 
         self.train = train
         self.run(WARMUP_FUNCTIONS)
