@@ -1,10 +1,5 @@
-"""The harness's driver: subprocesses, endpoints, interleaved repeats.
-
-`Bench` starts the benchmark subprocesses (all through `procs.Registry`,
-so that each is ended by PID), sets every system up once, then interleaves
-the repeats in a balanced order (`balanced_order`). `Endpoint` is one
-system on its subprocess(es); `Sink` writes one JSON line per record.
-"""
+"""The harness's driver: starts the subprocesses, sets each system up once,
+interleaves the repeats (docs/benchmarks.md#how-the-harness-measures)."""
 
 from __future__ import annotations
 
@@ -27,13 +22,10 @@ SYSTEMS = (
     "tf1_sync",
     "mwms",
 )
-# The systems that run on the harness's PSS cluster (`pss_worker.py`).
 PSS_SYSTEMS = tuple(s for s in SYSTEMS if s.startswith(("tf2sync", "pss")))
 # The main scenario's default: all but stock PSS through `fit`.
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "pss_async_fit")
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# A baseline tree's own worker (--baseline_tree): it imports that tree's
-# tf2sync and its own benchmarks/ modules, and speaks the same protocol.
 BASELINE_WORKER = os.path.join("benchmarks", "pss_worker.py")
 
 
@@ -54,8 +46,7 @@ class Sink:
 
 
 class Endpoint:
-    """One system on its subprocess(es): set up once, then timed runs of
-    the same work whatever the system (docs/benchmarks.md)."""
+    """One system on its subprocess(es)."""
 
     def __init__(self, name, kind, children, setup_args, workers=1):
         self.name = name
@@ -88,8 +79,7 @@ class Endpoint:
 
 
 def balanced_order(count, round_index):
-    """The order of `count` systems in round `round_index`: a Williams
-    design, each system right after each other one equally often."""
+    """Round `round_index`'s order of `count` systems (a Williams design)."""
     first, low, high = [0], 1, count - 1
     while len(first) < count:
         if len(first) % 2:
@@ -104,8 +94,6 @@ def balanced_order(count, round_index):
 
 
 class Bench:
-    """Starts subprocesses, drives the scenarios, records everything."""
-
     def __init__(self, settings, registry, sink):
         self.s = settings
         self.registry = registry
@@ -124,8 +112,7 @@ class Bench:
         self, name, workers, local_workers=2, cluster_spec=None, **options
     ):
         """A pss_worker.py child (options: `optimizer`, `ps`, `hold_time`,
-        and `tree`, a checkout whose own worker runs with PYTHONPATH=tree,
-        so that it imports that tree's tf2sync)."""
+        `tree`: a checkout whose own worker runs)."""
         args = [
             f"--workers={workers}",
             f"--local_workers={local_workers}",
@@ -166,8 +153,7 @@ class Bench:
         return children
 
     def start_tasks(self, name, workers, env=None, ps=1):
-        """ps and worker tasks (`python -m tf2sync`), and their spec (the ps
-        tasks first in the list returned)."""
+        """ps, then worker tasks (`python -m tf2sync`), and their spec."""
         spec = procs.library("cluster").cluster_spec_dict(workers, ps)
         hosts = [
             "--ps_hosts=" + ",".join(spec["ps"]),
@@ -192,9 +178,7 @@ class Bench:
         return spec, tasks
 
     def worker_device_env(self, index):
-        """Worker `index`'s devices: CPU only or, with `--worker_gpus`, its
-        GPUs as the launcher plans them (`local_tasks.gpu_plan`: shared
-        modulo the machine's count, each process growing its memory)."""
+        """Worker `index`'s devices (`--worker_gpus`: the launcher's plan)."""
         per_worker = getattr(self.s, "worker_gpus", 0)
         if not per_worker:
             return {"CUDA_VISIBLE_DEVICES": ""}
@@ -207,9 +191,8 @@ class Bench:
         }
 
     def fail(self, endpoints, endpoint, error, base):
-        """Records `error` for `endpoint`. A fatal error (no answer; or any
-        error of a multi-process system, whose peers may wait forever) also
-        ends its subprocesses and fails every system on them."""
+        """Records `error`; a fatal one (or any of a multi-process system)
+        also ends its subprocesses and fails every system on them."""
         failing = [endpoint]
         if getattr(error, "fatal", True) or len(endpoint.children) > 1:
             self.registry.stop(endpoint.children)
@@ -238,8 +221,7 @@ class Bench:
                     self.fail(endpoints, endpoint, e, base)
 
     def setup(self, endpoints, base, extra=None):
-        """Sets each endpoint up; returns {name: its answer} of those that
-        answered."""
+        """{name: its answer} of each endpoint set up."""
         self.wait_ready(endpoints, base)
         answers = {}
         for endpoint in endpoints:
@@ -267,9 +249,7 @@ class Bench:
     def interleave(
         self, endpoints, functions, base, extra, window=False, first_repeat=0
     ):
-        """Runs the repeats, each round in `balanced_order`; one record per
-        run, its `repeat` counted from `first_repeat` (a later cluster
-        build goes on with the next rounds' orders)."""
+        """The repeats, each round in `balanced_order`, one record a run."""
         for repeat in range(first_repeat, first_repeat + self.s.repeats):
             for i in balanced_order(len(endpoints), repeat):
                 endpoint = endpoints[i]
@@ -305,9 +285,7 @@ class Bench:
 
 
 def _cpu_per_example(cpu_s, result):
-    """The run's CPU seconds (all the harness's processes, one system
-    running at a time) and CPU microseconds per example (of every example
-    the run trained: `cpu_examples` where it timed only some)."""
+    """The run's CPU seconds and microseconds per example trained."""
     examples = result.get("cpu_examples") or result.get("examples") or 0
     record = {"cpu_s": round(cpu_s, 3)}
     if examples and not result.get("window"):  # a window counts fewer

@@ -1,10 +1,5 @@
-"""Runners of the ParameterServerStrategy family, built once, timed often.
-
-`LocalRunner` (one process, global batch N x B), `LoopRunner` (a custom
-loop on a `ClusterCoordinator`) and `FitRunner` (`model.fit`), stock or
-tf2sync; `run(functions)` returns examples, seconds and examples/s
-(docs/benchmarks.md#how-the-harness-measures).
-"""
+"""The systems' runners, built once, timed often
+(docs/benchmarks.md#systems)."""
 
 from __future__ import annotations
 
@@ -39,8 +34,7 @@ def result(examples, seconds, **extra) -> dict:
 
 
 def ps_bytes(variables) -> dict:
-    """{ps task index (str), or "other": bytes} of `variables` by device
-    (each shard of a `ShardedVariable` on its own)."""
+    """{ps task index (str), or "other": bytes} of `variables`' shards."""
     found = {}
     for v in sharding.shards(variables):
         spec = tf.DeviceSpec.from_string(v.device or "")
@@ -51,8 +45,7 @@ def ps_bytes(variables) -> dict:
 
 
 def strategy(resolver, sync, workers, rta=None, total=None, shards=None):
-    """Stock PSS or tf2sync's (`rta` of `total`, default all workers), its
-    variables in `shards` (`FixedShardsPartitioner`) if given."""
+    """Stock PSS or tf2sync's (`rta` of `total`), in `shards` if given."""
     part = shards and tf.distribute.experimental.partitioners
     part = part and part.FixedShardsPartitioner(shards)
     if not sync:
@@ -129,13 +122,9 @@ class LocalRunner:
 
 
 class LoopRunner:
-    """A custom loop on a ClusterCoordinator, stock or tf2sync (`sync`).
-
-    `group`: None, a `tf.while_loop` of single steps; an int, tf2sync's
-    loop with up to that many copies of the step per iteration. `delay_s`:
-    seconds each step of worker 0 sleeps (a straggler). `warmup`: functions
-    run now; with 0 the caller calls `start()` (builds the iterators).
-    """
+    """A custom loop on a ClusterCoordinator (`group`: None, a while loop of
+    single steps, else up to that many per iteration; `delay_s`: worker 0's
+    sleep per step; `warmup` 0: the caller calls `start()`)."""
 
     def __init__(
         self,
@@ -223,8 +212,7 @@ class LoopRunner:
         return [int(self.opt.stale_dropped.numpy()), *accepted]
 
     def run(self, functions, window=False):
-        """Times `functions` functions; with `window`, between 20 % and 80 %
-        of the gradients counted (no start, no tail)."""
+        """Times `functions` functions (`window`: from 20 % to 80 %)."""
         grads0, steps0 = self._counts()
         sync0 = self._sync_counts()
         samples = []
@@ -275,8 +263,7 @@ def _sleep(seconds):
 
 
 class EpochTimer(tf.keras.callbacks.Callback):
-    """Times epoch `epoch` of `fit` and what `counts()` moved in it (read
-    after the epoch's join, so exact)."""
+    """Times epoch `epoch` and what `counts()` moved in it."""
 
     def __init__(self, epoch, counts):
         super().__init__()
@@ -295,8 +282,7 @@ class EpochTimer(tf.keras.callbacks.Callback):
 
 
 class FitRunner:
-    """`model.fit` with `steps_per_execution=k`, stock or tf2sync; with
-    `keras_loop`, after `tf2sync.unroll_fit_steps(model, False)`."""
+    """`model.fit` with `steps_per_execution=k`, stock or tf2sync."""
 
     def __init__(
         self,
@@ -336,8 +322,7 @@ class FitRunner:
         return steps, steps
 
     def run(self, functions, window=False):
-        """One `fit` of 2 epochs of `functions` x k steps; times the 2nd
-        (the 1st also builds and ships the input pipelines)."""
+        """One `fit` of 2 epochs of `functions` x k steps; times the 2nd."""
         timer = EpochTimer(1, self._counts)
         start = time.perf_counter()
         self.model.fit(
@@ -359,9 +344,7 @@ class FitRunner:
         )
 
     def _settle(self):
-        """Deletes this `fit`'s per-worker iterators now, untimed: their
-        deletion otherwise runs on the workers ahead of the next system's
-        functions (a loop timed after `fit` took up to 1.5 x as long)."""
+        """Deletes this `fit`'s iterators now, not in the next system's run."""
         gc.collect()
         coordinator = self.model._cluster_coordinator
         if coordinator is not None:
