@@ -98,11 +98,7 @@ class _Server:
                 compute = _compute_seconds(workload, self.kind)
                 delay_s = options["delay_factor"] * compute
                 answer["compute_s"] = compute
-            group = None  # a tf.while_loop of single steps
-            if system == "tf2sync_loop":  # tf2sync.Trainer's default
-                group = strategy.options.max_unrolled_steps
-            elif system.endswith("_unrolled"):
-                group = k
+            group = systems.loop_group(system, strategy, k)
             runner = systems.LoopRunner(
                 strategy, *common, sync=sync, delay_s=delay_s, group=group
             )

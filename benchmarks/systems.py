@@ -60,6 +60,14 @@ def strategy(resolver, sync, workers, rta=None, total=None, shards=None):
     )
 
 
+def loop_group(system, strategy, k):
+    """LoopRunner's `group` of `system`: tf2sync.Trainer's default for
+    tf2sync_loop, the whole function unrolled for *_unrolled, else None."""
+    if system == "tf2sync_loop":
+        return strategy.options.max_unrolled_steps
+    return k if system.endswith("_unrolled") else None
+
+
 def make_optimizer(model, kind, sync):
     """Momentum SGD (wrapped if `sync`), its slots built now, eagerly."""
     inner = workloads.optimizer(kind)
