@@ -127,9 +127,7 @@ class Bench:
         tree = options.get("tree")
         if tree is None:
             return self.start(name, self.python("pss_worker.py", *args))
-        path = [tree] + [os.environ["PYTHONPATH"]] * (
-            "PYTHONPATH" in os.environ
-        )
+        path = [tree, *filter(None, [os.environ.get("PYTHONPATH")])]
         argv = [sys.executable, os.path.join(tree, BASELINE_WORKER), *args]
         env = {"PYTHONPATH": os.pathsep.join(path)}
         return self.start(name, argv, env=env, tree=tree)
