@@ -1,10 +1,5 @@
-"""The harness's driver: subprocesses, endpoints, interleaved repeats.
-
-`Bench` starts the benchmark subprocesses (all through `procs.Registry`,
-so that each is ended by PID), sets every system up once, then interleaves
-the repeats in a balanced order (`balanced_order`). `Endpoint` is one
-system on its subprocess(es); `Sink` writes one JSON line per record.
-"""
+"""The harness's driver: starts the subprocesses, sets each system up once,
+interleaves the repeats (docs/benchmarks.md#how-the-harness-measures)."""
 
 from __future__ import annotations
 
@@ -27,13 +22,10 @@ SYSTEMS = (
     "tf1_sync",
     "mwms",
 )
-# The systems that run on the harness's PSS cluster (`pss_worker.py`).
 PSS_SYSTEMS = tuple(s for s in SYSTEMS if s.startswith(("tf2sync", "pss")))
 # The main scenario's default: all but stock PSS through `fit`.
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "pss_async_fit")
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# A baseline tree's own worker (--baseline_tree): it imports that tree's
-# tf2sync and its own benchmarks/ modules, and speaks the same protocol.
 BASELINE_WORKER = os.path.join("benchmarks", "pss_worker.py")
 
 
@@ -54,8 +46,7 @@ class Sink:
 
 
 class Endpoint:
-    """One system on its subprocess(es): set up once, then timed runs of
-    the same work whatever the system (docs/benchmarks.md)."""
+    """One system on its subprocess(es)."""
 
     def __init__(self, name, kind, children, setup_args, workers=1):
         self.name = name
@@ -71,28 +62,24 @@ class Endpoint:
         return [child.receive(timeout) for child in self.children]
 
     def setup(self, timeout):
-        key = {"key": self.name} if self.kind == "pss" else {}
+        key = {} if self.kind == "tf1" else {"key": self.name}
         return self._all("setup", timeout, **self.setup_args, **key)[0]
 
     def run(self, functions, k, timeout, window=False):
-        per_worker = max(1, functions // self.workers)
-        if self.kind == "pss":
-            if self.name.startswith("local"):
-                functions = per_worker
-            args = {"key": self.name, "functions": functions, "window": window}
-            return self._all("run", timeout, **args)[0]
         if self.kind == "tf1":
             steps = max(1, functions * k // self.workers)
             return self._all("run", timeout, steps=steps)[0]
-        results = self._all("run", timeout, functions=per_worker)
+        if self.kind == "mwms" or self.name == "local":  # each on its batch
+            functions = max(1, functions // self.workers)
+        args = {"key": self.name, "functions": functions, "window": window}
+        results = self._all("run", timeout, **args)
         seconds = max(r["seconds"] for r in results)
         rate = round(results[0]["examples"] / seconds, 1)
         return {**results[0], "seconds": seconds, "examples_per_sec": rate}
 
 
 def balanced_order(count, round_index):
-    """The order of `count` systems in round `round_index`: a Williams
-    design, each system right after each other one equally often."""
+    """Round `round_index`'s order of `count` systems (a Williams design)."""
     first, low, high = [0], 1, count - 1
     while len(first) < count:
         if len(first) % 2:
@@ -107,8 +94,6 @@ def balanced_order(count, round_index):
 
 
 class Bench:
-    """Starts subprocesses, drives the scenarios, records everything."""
-
     def __init__(self, settings, registry, sink):
         self.s = settings
         self.registry = registry
@@ -127,8 +112,7 @@ class Bench:
         self, name, workers, local_workers=2, cluster_spec=None, **options
     ):
         """A pss_worker.py child (options: `optimizer`, `ps`, `hold_time`,
-        and `tree`, a checkout whose own worker runs with PYTHONPATH=tree,
-        so that it imports that tree's tf2sync)."""
+        `tree`: a checkout whose own worker runs)."""
         args = [
             f"--workers={workers}",
             f"--local_workers={local_workers}",
@@ -143,9 +127,7 @@ class Bench:
         tree = options.get("tree")
         if tree is None:
             return self.start(name, self.python("pss_worker.py", *args))
-        path = [tree] + [os.environ["PYTHONPATH"]] * (
-            "PYTHONPATH" in os.environ
-        )
+        path = [tree, *filter(None, [os.environ.get("PYTHONPATH")])]
         argv = [sys.executable, os.path.join(tree, BASELINE_WORKER), *args]
         env = {"PYTHONPATH": os.pathsep.join(path)}
         return self.start(name, argv, env=env, tree=tree)
@@ -163,14 +145,13 @@ class Bench:
         for i in range(workers):
             task = {"cluster": cluster, "task": {"type": "worker", "index": i}}
             env = {"TF_CONFIG": json.dumps(task), **self.worker_device_env(i)}
-            args = [f"--workload={workload}", f"--optimizer={self.s.optimizer}"]
-            argv = self.python("mwms_worker.py", *args)
+            args = ["--mwms", f"--optimizer={self.s.optimizer}"]
+            argv = self.python("pss_worker.py", *args)
             children.append(self.start(f"mwms_{workload}{tag}_{i}", argv, env))
         return children
 
     def start_tasks(self, name, workers, env=None, ps=1):
-        """ps and worker tasks (`python -m tf2sync`), and their spec (the ps
-        tasks first in the list returned)."""
+        """ps, then worker tasks (`python -m tf2sync`), and their spec."""
         spec = procs.library("cluster").cluster_spec_dict(workers, ps)
         hosts = [
             "--ps_hosts=" + ",".join(spec["ps"]),
@@ -195,9 +176,7 @@ class Bench:
         return spec, tasks
 
     def worker_device_env(self, index):
-        """Worker `index`'s devices: CPU only or, with `--worker_gpus`, its
-        GPUs as the launcher plans them (`local_tasks.gpu_plan`: shared
-        modulo the machine's count, each process growing its memory)."""
+        """Worker `index`'s devices (`--worker_gpus`: the launcher's plan)."""
         per_worker = getattr(self.s, "worker_gpus", 0)
         if not per_worker:
             return {"CUDA_VISIBLE_DEVICES": ""}
@@ -210,9 +189,8 @@ class Bench:
         }
 
     def fail(self, endpoints, endpoint, error, base):
-        """Records `error` for `endpoint`. A fatal error (no answer; or any
-        error of a multi-process system, whose peers may wait forever) also
-        ends its subprocesses and fails every system on them."""
+        """Records `error`; a fatal one (or any of a multi-process system)
+        also ends its subprocesses and fails every system on them."""
         failing = [endpoint]
         if getattr(error, "fatal", True) or len(endpoint.children) > 1:
             self.registry.stop(endpoint.children)
@@ -241,8 +219,7 @@ class Bench:
                     self.fail(endpoints, endpoint, e, base)
 
     def setup(self, endpoints, base, extra=None):
-        """Sets each endpoint up; returns {name: its answer} of those that
-        answered."""
+        """{name: its answer} of each endpoint set up."""
         self.wait_ready(endpoints, base)
         answers = {}
         for endpoint in endpoints:
@@ -270,9 +247,7 @@ class Bench:
     def interleave(
         self, endpoints, functions, base, extra, window=False, first_repeat=0
     ):
-        """Runs the repeats, each round in `balanced_order`; one record per
-        run, its `repeat` counted from `first_repeat` (a later cluster
-        build goes on with the next rounds' orders)."""
+        """The repeats, each round in `balanced_order`, one record a run."""
         for repeat in range(first_repeat, first_repeat + self.s.repeats):
             for i in balanced_order(len(endpoints), repeat):
                 endpoint = endpoints[i]
@@ -308,9 +283,7 @@ class Bench:
 
 
 def _cpu_per_example(cpu_s, result):
-    """The run's CPU seconds (all the harness's processes, one system
-    running at a time) and CPU microseconds per example (of every example
-    the run trained: `cpu_examples` where it timed only some)."""
+    """The run's CPU seconds and microseconds per example trained."""
     examples = result.get("cpu_examples") or result.get("examples") or 0
     record = {"cpu_s": round(cpu_s, 3)}
     if examples and not result.get("window"):  # a window counts fewer

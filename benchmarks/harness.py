@@ -1,18 +1,5 @@
-"""Benchmarks: tf2sync against what users would run instead, in one run.
-
-Each system is built once in subprocesses this harness starts (and ends by
-PID), then the repeats are interleaved; the report (benchmarks.md, JSON
-lines, a plot) gives ratios of medians and each target as PASS or MISS.
-docs/benchmarks.md says what each scenario measures and how to read it.
-
-  python benchmarks/harness.py          # the default scenarios: ~20 min
-  python benchmarks/harness.py --smoke --output_dir=/tmp/b   # ~1 min
-  python benchmarks/harness.py --from_jsonl=docs/benchmarks.jsonl
-  python benchmarks/harness.py --scenarios=sharding --functions=w4:20
-  python benchmarks/harness.py --scenarios=ps_scaling --repeats=3
-  python benchmarks/harness.py --scenarios=main --baseline_tree=/tmp/base
-      --systems=local,tf2sync_fit,tf2sync_loop,tf1_sync --clusters=3
-"""
+"""Benchmarks: tf2sync against what users would run instead; commands and
+how to read the report: docs/benchmarks.md#commands."""
 
 from __future__ import annotations
 
@@ -37,9 +24,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _DOCS = os.path.join(os.path.dirname(_HERE), "docs")
 _DEFAULT_FUNCTIONS = {"w1": 60, "w2": 16, "w3": 30, "w4": 30}
 _STARTUP_SYSTEMS = startup.SYSTEMS + startup.EXTRA_SYSTEMS
-# Each scenario's run, in the order run; the last three are not in the
-# default run (sharding ~4 min and ~1.8 GB per ps, ps_scaling ~8 min,
-# startup 30 fresh processes, ~6 min).
+# Each scenario's run, in the order run; the first three are the default.
 SCENARIOS = {
     "main": lambda bench: [
         scenarios.scenario_main(bench, w) for w in bench.s.workloads
@@ -51,28 +36,20 @@ SCENARIOS = {
     "startup": startup.scenario_startup,
 }
 _PS_SYSTEMS = ("tf2sync_loop", "tf2sync_fit", "pss_async_unrolled", "tf1_sync")
+
+
+def _of(choices):
+    return f"Of {', '.join(choices)}."
+
+
 # name: (default, its value under --smoke (None: the same), help).
 _FLAGS = {
     "workloads": (list(scenarios.WORKLOADS), ["w1"], "Of the main scenario."),
-    "systems": (
-        list(driver.DEFAULT_SYSTEMS),
-        None,
-        f"Of the main scenario, of {', '.join(driver.SYSTEMS)}.",
-    ),
-    "scenarios": (list(SCENARIOS)[:3], ["main"], f"Of {', '.join(SCENARIOS)}."),
+    "systems": (list(driver.DEFAULT_SYSTEMS), None, _of(driver.SYSTEMS)),
+    "scenarios": (list(SCENARIOS)[:3], ["main"], _of(SCENARIOS)),
     "repeats": (5, 1, "Interleaved repeats."),
-    "clusters": (
-        1,
-        None,
-        "Main scenario: build its processes this many times, each running "
-        "--repeats repeats (use 3 or more for a before/after within 5 %).",
-    ),
-    "functions": (
-        [],
-        None,
-        "Timed functions of K steps per run, per workload (w2:8) or one int "
-        f"for all; default {_DEFAULT_FUNCTIONS} (--smoke: 3).",
-    ),
+    "clusters": (1, None, "Main scenario: process builds, --repeats each."),
+    "functions": ([], None, f"Per run: w2:8 or N (of {_DEFAULT_FUNCTIONS})."),
     "steps_per_function": (10, 2, "K: steps per function."),
     "straggler_workload": ("w2", "w1", "Workload of the straggler scenario."),
     "straggler_factor": (3.0, None, "Worker 0 sleeps this x its compute."),
@@ -84,35 +61,17 @@ _FLAGS = {
     "ps_workloads": (["w1", "w3"], ["w1"], "Workloads (ps_scaling)."),
     "ps_systems": (list(_PS_SYSTEMS), None, "Systems (ps_scaling)."),
     "ps_functions": (20, 3, "Timed functions per ps_scaling run."),
-    "startup_workloads": (
-        ["w1", "digits"],
-        ["w1"],
-        f"Of the startup scenario, of {', '.join(startup.WORKLOADS)}.",
-    ),
-    "startup_systems": (
-        list(startup.SYSTEMS),
-        None,
-        f"Of the startup scenario, of {', '.join(_STARTUP_SYSTEMS)}.",
-    ),
+    "startup_workloads": (["w1", "digits"], ["w1"], _of(startup.WORKLOADS)),
+    "startup_systems": (list(startup.SYSTEMS), None, _of(_STARTUP_SYSTEMS)),
     "startup_repeats": (3, 1, "Fresh processes per startup cell."),
     "startup_rounds": (3, 1, "Steady rounds timed per startup run."),
-    "worker_gpus": (
-        0,
-        None,
-        "GPUs each training worker uses (shared modulo the machine's; ps "
-        "on CPU; benchmarks/gpu_check.sh); 0: CPU only.",
-    ),
+    "worker_gpus": (0, None, "GPUs per training worker (0: CPU only)."),
     "timeout": (300.0, 120.0, "Seconds one command to a subprocess may take."),
     "output_dir": (None, None, "Default: docs/ (--smoke: a temp dir)."),
     "subprocess_logs": (None, None, "Subprocess logs (default: a temp dir)."),
     "smoke": (False, None, "A few seconds of everything requested."),
     "from_jsonl": (None, None, "Only rewrite the report from these lines."),
-    "baseline_tree": (
-        None,
-        None,
-        "A checkout to compare with: each tf2sync system of the main "
-        "scenario also runs from it, as <system>@baseline, interleaved.",
-    ),
+    "baseline_tree": (None, None, "A checkout to run as <system>@baseline."),
 }
 _INTS = ("memory_workers", "ps_counts")
 _DEFINE = {list: flags.DEFINE_list, bool: flags.DEFINE_bool}
@@ -126,12 +85,7 @@ for _name, (_default, _, _help) in _FLAGS.items():
             lambda v, low=_low: v >= low,
             message=f"--{_name} must be {'positive' if _low else '>= 0'}.",
         )
-flags.DEFINE_enum(
-    "optimizer",
-    "legacy",
-    ["legacy", "keras"],
-    "Momentum SGD: legacy (fused, lazy sparse momentum) or keras (dense).",
-)
+flags.DEFINE_enum("optimizer", "legacy", ["legacy", "keras"], "Momentum SGD.")
 
 
 def _positive_ints(values):
@@ -148,7 +102,6 @@ for _name in _INTS:
 
 @flags.validator("baseline_tree")
 def _baseline_tree_ok(path):
-    """A directory with tf2sync/ and benchmarks/pss_worker.py."""
     if path is None:
         return True
     if not os.path.isdir(path):
@@ -165,7 +118,6 @@ def _baseline_tree_ok(path):
 
 
 def _settings():
-    """The run's parameters (a namespace), from the flags."""
     values = {}
     for name, (_, smoke_value, _) in _FLAGS.items():
         value = flags.FLAGS[name].value

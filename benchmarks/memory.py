@@ -9,6 +9,7 @@ import time
 
 import procs
 from driver import Endpoint
+from tables import error_row
 from tables import errors
 from tables import events
 from tables import fmt
@@ -321,12 +322,10 @@ def memory_cells(records):
         if r.get("scenario") == "memory" and "rss_state_kb" in r:
             key = (r["system"], r["workers"], r["optimizer"], r["workload"])
             cells.setdefault(key, []).append(r)
+    names = ("system", "workers", "optimizer", "workload")
     return [
         {
-            "system": system,
-            "workers": workers,
-            "optimizer": optimizer,
-            "workload": workload,
+            **dict(zip(names, key)),
             "idle_mb": median([r["rss_idle_kb"] / 1e3 for r in rs]),
             "state_mb": median([_state_mb(r) for r in rs]),
             "peak_mb": max(
@@ -335,16 +334,12 @@ def memory_cells(records):
             "peak_reset": all(r["peak_reset"] for r in rs),
             "runs": len(rs),
         }
-        for (system, workers, optimizer, workload), rs in cells.items()
+        for key, rs in cells.items()
     ]
 
 
-def _growth_per_worker(cells):
-    cells = sorted(cells, key=lambda c: c["workers"])
-    added = cells[-1]["workers"] - cells[0]["workers"] if cells else 0
-    if not added:
-        return None
-    return (cells[-1]["state_mb"] - cells[0]["state_mb"]) / added
+def _minus(a, b):
+    return None if None in (a, b) else a - b
 
 
 def memory_targets(records):
@@ -352,51 +347,54 @@ def memory_targets(records):
     stock PSS in the same form; with 4 x the table minus with w3's; the
     largest per-step peak (all in MB)."""
     cells = memory_cells(records)
-    most = MEMORY_PER_WORKER * EMBEDDING_MB
-    share = f"{MEMORY_PER_WORKER:.0%} of"
+
+    def growth(system, workload="w3", kind=None):
+        """State MB per added worker, from the fewest to the most."""
+        found = sorted(
+            (
+                c
+                for c in cells
+                if (c["system"], c["workload"]) == (system, workload)
+                and kind in (None, c["optimizer"])
+            ),
+            key=lambda c: c["workers"],
+        )
+        added = found[-1]["workers"] - found[0]["workers"] if found else 0
+        if added:
+            return (found[-1]["state_mb"] - found[0]["state_mb"]) / added
+        return None
+
+    most, share = MEMORY_PER_WORKER * EMBEDDING_MB, f"{MEMORY_PER_WORKER:.0%}"
     rows = []
     for system, stock in MEMORY_REFERENCE.items():
-        ours = [
-            c for c in cells if c["system"] == system and c["workload"] == "w3"
-        ]
-        kind = ours[0]["optimizer"] if ours else None
-        theirs = [
-            c
-            for c in cells
-            if (c["system"], c["optimizer"], c["workload"])
-            == (stock, kind, "w3")
-        ]
-        growth, reference = _growth_per_worker(ours), _growth_per_worker(theirs)
-        growth = None if None in (growth, reference) else growth - reference
+        kind = next((c["optimizer"] for c in cells if c["system"] == system), 0)
         rows.append(
             target(
                 f"ps memory: {system} state growth per added worker, beyond "
                 f"{stock}'s (MB)",
-                growth,
+                _minus(growth(system), growth(stock, kind=kind)),
                 "<=",
                 most,
-                f"{share} the embedding",
+                f"{share} of the embedding",
                 ".1f",
             )
         )
-    loop = [c for c in cells if c["system"] == "tf2sync_loop"]
-    growth = [
-        _growth_per_worker([c for c in loop if c["workload"] == w])
-        for w in ("w3_x4", "w3")
+    peak = [
+        c["peak_mb"]
+        for c in cells
+        if (c["system"], c["workload"]) == ("tf2sync_loop", "w3")
     ]
-    rows.append(
+    return [
+        *rows,
         target(
             "ps memory: tf2sync_loop state growth per added worker with 4 x "
             "the embedding, minus with w3's (MB)",
-            None if None in growth else growth[0] - growth[1],
+            _minus(growth("tf2sync_loop", "w3_x4"), growth("tf2sync_loop")),
             "<=",
             most,
-            f"{share} w3's embedding",
+            f"{share} of w3's embedding",
             ".1f",
-        )
-    )
-    peak = [c["peak_mb"] for c in loop if c["workload"] == "w3"]
-    rows.append(
+        ),
         target(
             "ps memory: tf2sync largest per-step peak (MB)",
             max(peak, default=None),
@@ -404,35 +402,53 @@ def memory_targets(records):
             EMBEDDING_MB,
             "the embedding's size",
             ".1f",
-        )
-    )
-    return rows
+        ),
+    ]
+
+
+def _table(columns, rows):
+    """(header, rows) of `columns`: (header, key, format spec or None)."""
+    return [name for name, _, _ in columns], [
+        [
+            row[k] if spec is None else fmt(row[k], spec)
+            for _, k, spec in columns
+        ]
+        for row in rows
+    ]
+
+
+MEMORY_COLUMNS = (
+    ("system", "system", None),
+    ("workers", "workers", None),
+    ("optimizer", "optimizer", None),
+    ("embedding rows", "rows", ","),
+    ("ps RSS idle MB", "idle_mb", ".1f"),
+    ("state MB", "state_mb", ".1f"),
+    ("per-step peak MB", "peak", None),
+    ("runs", "runs", None),
+)
 
 
 def memory_section(records):
     found = memory_cells(records)
     if not found:
         return []
-    rows = [
-        [
-            c["system"],
-            c["workers"],
-            c["optimizer"],
-            f"{EMBEDDING_ROWS[c['workload']]:,}",
-            fmt(c["idle_mb"], ".1f"),
-            fmt(c["state_mb"], ".1f"),
-            fmt(c["peak_mb"], ".1f") + ("" if c["peak_reset"] else " (*)"),
-            c["runs"],
-        ]
-        for c in found
-    ]
-    header = ["system", "workers", "optimizer", "embedding rows"]
-    header += ["ps RSS idle MB", "state MB", "per-step peak MB", "runs"]
     return [
         f"w3, embedding {EMBEDDING_MB:.1f} MB; the ps a process of its own; "
         "idle and state medians of the runs, the peak the largest. Columns "
         "and references: docs/benchmarks.md#ps-memory.",
-        (header, rows),
+        _table(
+            MEMORY_COLUMNS,
+            [
+                {
+                    **c,
+                    "rows": EMBEDDING_ROWS[c["workload"]],
+                    "peak": fmt(c["peak_mb"], ".1f")
+                    + " (*)" * (not c["peak_reset"]),
+                }
+                for c in found
+            ],
+        ),
     ]
 
 
@@ -442,12 +458,10 @@ def memory_section(records):
 def sharding_rates(records, field="examples_per_sec"):
     """{(workload, config, ps tasks, shards): [`field` of each timed run]}
     (shards 1 on several ps: whole variables placed round robin)."""
-    key = lambda r: (
-        r["workload"],
-        r["config"],
-        r["ps"],
-        r.get("shards", r["ps"]),
-    )  # noqa: E731
+
+    def key(r):
+        return r["workload"], r["config"], r["ps"], r.get("shards", r["ps"])
+
     return rates(records, "sharding", field, key)
 
 
@@ -459,33 +473,29 @@ def sharding_memory(records):
         for r in events(records, "sharding", "ps_peak")
         for i, kb in enumerate(r["peak_kb"])
     }
-    fixed, rows = {}, []
-    for r in events(records, "sharding", "ps_memory"):
-        for t in r["ps_tasks"]:
-            state = (t["anon_after_kb"] - t["anon_before_kb"]) / 1e3
-            if r["workload"] == "w1":
-                fixed[t["task"]] = state
-            rows.append(
-                {
-                    "system": r["config"],
-                    "workload": r["workload"],
-                    "task": t["task"],
-                    "bytes_mb": t["bytes"] / 1e6,
-                    "state_mb": state,
-                    "empty_rss_mb": t["rss_empty_kb"] / 1e3,
-                    "rss_after_mb": t["rss_after_kb"] / 1e3,
-                    "peak_mb": peaks.get(
-                        (r["config"], r["workload"], t["task"])
-                    ),
-                }
-            )
-    for row in rows:
-        row["fixed_mb"] = fixed.get(row["task"])
-        row["bound_mb"] = None
-        if row["fixed_mb"] is not None and row["workload"] != "w1":
-            row["bound_mb"] = (
-                SHARD_STATE_FACTOR * row["bytes_mb"] + row["fixed_mb"]
-            )
+    rows = [
+        {
+            "system": r["config"],
+            "workload": r["workload"],
+            "task": t["task"],
+            "bytes_mb": t["bytes"] / 1e6,
+            "state_mb": (t["anon_after_kb"] - t["anon_before_kb"]) / 1e3,
+            "empty_rss_mb": t["rss_empty_kb"] / 1e3,
+            "rss_after_mb": t["rss_after_kb"] / 1e3,
+            "peak_mb": peaks.get((r["config"], r["workload"], t["task"])),
+        }
+        for r in events(records, "sharding", "ps_memory")
+        for t in r["ps_tasks"]
+    ]
+    fixed = {m["task"]: m["state_mb"] for m in rows if m["workload"] == "w1"}
+    for m in rows:
+        small = m["workload"] == "w1"
+        m["fixed_mb"] = fixed.get(m["task"])
+        m["label"] = m["workload"] + " (fixed)" * small
+        m["per_byte"] = None if small else ratio(m["state_mb"], m["bytes_mb"])
+        m["bound_mb"] = None
+        if m["fixed_mb"] is not None and not small:
+            m["bound_mb"] = SHARD_STATE_FACTOR * m["bytes_mb"] + m["fixed_mb"]
     return rows
 
 
@@ -495,14 +505,13 @@ def sharding_targets(records):
         return []
     found = sharding_rates(records)
 
-    def over(config, workload, ps, shards, base):
-        cell = median(found.get((workload, config, ps, shards)))
-        return ratio(cell, median(found.get(base)))
+    def over(cell, base):
+        return ratio(median(found.get(cell)), median(found.get(base)))
 
     rows = [
         target(
             f"w4 (2 shards, 2 ps) {system} / {base}",
-            over(system, "w4", 2, 2, ("w4", base, 2, 2)),
+            over(("w4", system, 2, 2), ("w4", base, 2, 2)),
             ">=",
             least,
         )
@@ -530,10 +539,7 @@ def sharding_targets(records):
         row = target("ps memory, w4: tf2sync state per ps", None, "<=", None)
         row["required"] = f"<= {factor} x its shards' bytes + the fixed cost"
         rows.append(row)
-    own = [
-        over(config, "w3", 2, 2, ("w3", config, 1, 1))
-        for config in ("tf2sync_loop", "pss_async_unrolled")
-    ]
+    own = [over(("w3", c, 2, 2), ("w3", c, 1, 1)) for c in LOOP_AND_STOCK]
     rows.append(
         target(
             "w3 2 shards on 2 ps / on 1 ps: tf2sync_loop's ratio / "
@@ -543,16 +549,70 @@ def sharding_targets(records):
             SHARDED_W3_OF_STOCK,
         )
     )
-    for w in ("w1", "w3"):
-        rows.append(
-            target(
-                f"{w} round robin on 2 ps: tf2sync_loop / pss_async_unrolled",
-                over("tf2sync_loop", w, 2, 1, (w, "pss_async_unrolled", 2, 1)),
-                ">=",
-                ROUND_ROBIN_AT_LEAST,
-            )
+    return rows + [
+        target(
+            f"{w} round robin on 2 ps: tf2sync_loop / pss_async_unrolled",
+            over((w, "tf2sync_loop", 2, 1), (w, "pss_async_unrolled", 2, 1)),
+            ">=",
+            ROUND_ROBIN_AT_LEAST,
         )
-    return rows
+        for w in ("w1", "w3")
+    ]
+
+
+LOOP_AND_STOCK = ("tf2sync_loop", "pss_async_unrolled")
+_ = None  # in a base cell: the row's own
+# The sharding section's throughput tables: (heading and text, the cells
+# (workload, system, ps, shards), the columns before the runs' (a format
+# of the cell, or a function of it), {column: the cell each is divided by}).
+SHARDING_TABLES = (
+    (
+        ["### w4 throughput (2 workers + 2 ps)"],
+        [("w4", c, 2, 2) for c in SHARDING_SYSTEMS],
+        {"system": "`{1}`"},
+        {
+            f"vs {b}": (_, b, _, _)
+            for b in ("tf1_sync", *LOOP_AND_STOCK[1:], "pss_async")
+        },
+    ),
+    (
+        [
+            "### w3 on 2 ps against 1 ps",
+            "w3 in 2 shards on the 2-ps cluster against whole on 1 ps, "
+            "in the same rounds.",
+        ],
+        [("w3", c, ps, ps) for c in LOOP_AND_STOCK for ps in (1, 2)],
+        {
+            "system": "`{1}`",
+            "ps": "{2}",
+            "partitioned": lambda w, c, ps, n: (
+                f"{n} shards" * (n > 1) or "none"
+            ),
+        },
+        {"vs 1 ps": (_, _, 1, 1)},
+    ),
+    (
+        [
+            "### Whole variables round robin over 2 ps",
+            "No partitioner: each variable whole on one of the 2 ps.",
+        ],
+        [(w, c, 2, 1) for w in ("w1", "w3") for c in LOOP_AND_STOCK],
+        {"workload": "{0}", "system": "`{1}`"},
+        {"vs pss_async_unrolled": (_, "pss_async_unrolled", _, _)},
+    ),
+)
+SHARDING_MEMORY_COLUMNS = (
+    ("system", "system", None),
+    ("workload", "label", None),
+    ("ps", "task", None),
+    ("empty ps RSS MB", "empty_rss_mb", ".1f"),
+    ("shards' bytes MB", "bytes_mb", ".1f"),
+    ("state MB", "state_mb", ".1f"),
+    ("state / bytes", "per_byte", ".2f"),
+    (f"bound MB ({SHARD_STATE_FACTOR} x bytes + fixed)", "bound_mb", ".1f"),
+    ("per-step peak MB", "peak_mb", ".1f"),
+    ("ps RSS after setup MB", "rss_after_mb", ".1f"),
+)
 
 
 def sharding_section(records):
@@ -569,118 +629,46 @@ def sharding_section(records):
         ),
         None,
     )
-
-    def mid(config, workload="w4", ps=2, shards=None):
-        return median(found.get((workload, config, ps, shards or ps)))
-
-    def cells(workload, config, ps, shards, base):
-        values = found[(workload, config, ps, shards)]
-        return [
-            *spread(values),
-            fmt(ratio(median(values), base), ".2f"),
-        ]
-
-    def cpu_of(*key):
-        return fmt(median(cpu.get(key)), ".1f")
-
     blocks = [
         f"w4: Embedding {fmt(rows_w4, ',')} x 32, 2 workers and 2 ps, "
         "every variable of rank >= 1 in 2 shards, one per ps; see "
         "docs/benchmarks.md#sharding.",
-        "### w4 throughput (2 workers + 2 ps)",
     ]
-    rows = [
-        [
-            f"`{config}`",
-            *cells("w4", config, 2, 2, mid("tf1_sync")),
-            fmt(ratio(mid(config), mid("pss_async_unrolled")), ".2f"),
-            fmt(ratio(mid(config), mid("pss_async")), ".2f"),
-            cpu_of("w4", config, 2, 2),
-        ]
-        for config in SHARDING_SYSTEMS
-        if found.get(("w4", config, 2, 2))
-    ]
-    rows += [[f"`{r['system']}`", "error", r["error"][:160], 0] for r in failed]
-    header = ["system", "median ex/s", "min - max", "runs", "vs tf1_sync"]
-    header += ["vs pss_async_unrolled", "vs pss_async", "CPU us / ex"]
-    blocks.append((header, rows))
-    rows = [
-        [
-            f"`{config}`",
-            ps,
-            "none" if ps == 1 else f"{ps} shards",
-            *cells("w3", config, ps, ps, mid(config, "w3", 1)),
-            cpu_of("w3", config, ps, ps),
-        ]
-        for config in ("tf2sync_loop", "pss_async_unrolled")
-        for ps in (1, 2)
-        if found.get(("w3", config, ps, ps))
-    ]
-    if rows:
-        header = ["system", "ps", "partitioned", "median ex/s", "min - max"]
-        header += ["runs", "vs 1 ps", "CPU us / ex"]
-        blocks += [
-            "### w3 on 2 ps against 1 ps",
-            "w3 in 2 shards on the 2-ps cluster against whole on 1 ps, "
-            "in the same rounds.",
-            (header, rows),
-        ]
-    rows = [
-        [
-            workload,
-            f"`{config}`",
-            *cells(
-                workload,
-                config,
-                2,
-                1,
-                mid("pss_async_unrolled", workload, 2, 1),
-            ),
-            cpu_of(workload, config, 2, 1),
-        ]
-        for workload in ("w1", "w3")
-        for config in ("tf2sync_loop", "pss_async_unrolled")
-        if found.get((workload, config, 2, 1))
-    ]
-    if rows:
-        header = ["workload", "system", "median ex/s", "min - max", "runs"]
-        header += ["vs pss_async_unrolled", "CPU us / ex"]
-        blocks += [
-            "### Whole variables round robin over 2 ps",
-            "No partitioner: each variable whole on one of the 2 ps.",
-            (header, rows),
-        ]
+    for i, (text, cells, lead, bases) in enumerate(SHARDING_TABLES):
+        rows = []
+        for cell in (c for c in cells if found.get(c)):
+            mid, row = median(found[cell]), []
+            for column in lead.values():
+                row.append(
+                    column.format(*cell)
+                    if isinstance(column, str)
+                    else column(*cell)
+                )
+            for base in bases.values():
+                base = tuple(c if b is None else b for b, c in zip(base, cell))
+                row.append(fmt(ratio(mid, median(found.get(base))), ".2f"))
+            cpu_us = fmt(median(cpu.get(cell)), ".1f")
+            rows.append(
+                [
+                    *row[: len(lead)],
+                    *spread(found[cell]),
+                    *row[len(lead) :],
+                    cpu_us,
+                ]
+            )
+        if i == 0:  # the w4 table, with the failures
+            rows += [error_row(r) for r in failed]
+        elif not rows:
+            continue
+        header = [*lead, "median ex/s", "min - max", "runs", *bases]
+        blocks += [*text, (header + ["CPU us / ex"], rows)]
     memory = sharding_memory(records)
     if memory:
-        rows = [
-            [
-                m["system"],
-                m["workload"] + (" (fixed)" if m["workload"] == "w1" else ""),
-                m["task"],
-                fmt(m["empty_rss_mb"], ".1f"),
-                fmt(m["bytes_mb"], ".1f"),
-                fmt(m["state_mb"], ".1f"),
-                fmt(
-                    None
-                    if m["workload"] == "w1"
-                    else ratio(m["state_mb"], m["bytes_mb"]),
-                    ".2f",
-                ),
-                fmt(m["bound_mb"], ".1f"),
-                fmt(m["peak_mb"], ".1f"),
-                fmt(m["rss_after_mb"], ".1f"),
-            ]
-            for m in memory
-        ]
-        header = ["system", "workload", "ps", "empty ps RSS MB"]
-        header += ["shards' bytes MB", "state MB", "state / bytes"]
-        header += [f"bound MB ({SHARD_STATE_FACTOR} x bytes + fixed)"]
-        header += ["per-step peak MB", "ps RSS after setup MB"]
         blocks += [
             "### ps memory under sharding",
             "Each system set up one at a time on a fresh cluster of "
             "subprocess tasks (2 ps, 2 workers); MB per ps.",
-            (header, rows),
+            _table(SHARDING_MEMORY_COLUMNS, memory),
         ]
     tf1 = [
         r

@@ -1,14 +1,5 @@
-"""Subprocess plumbing of the benchmark harness (no TensorFlow at import).
-
-Parent side: `Child` starts one process in its own session, tied to the
-harness by tf2sync's `processes.child_kwargs` (the kernel kills it when the
-harness dies, even by SIGKILL), sends it one JSON command per line on its
-stdin and reads one reply per line marked with `MARK` on its stdout (other
-lines go to its log). It is ended by PID: `exit`, then SIGTERM, then
-SIGKILL, each bounded in time. `Registry` remembers every process started.
-
-Child side: `serve()` answers commands until `exit` or the end of stdin.
-"""
+"""The harness's subprocesses (no TensorFlow at import): `Child`, `Registry`
+and, child side, `serve` (docs/benchmarks.md#how-the-harness-measures)."""
 
 from __future__ import annotations
 
@@ -30,8 +21,7 @@ LOOPBACK = "127.0.0.1"
 
 
 class ChildError(RuntimeError):
-    """A child answered with an error (`fatal` False: it still serves),
-    ended, or did not answer in time."""
+    """A child's error (`fatal` False: it still serves), end or timeout."""
 
     def __init__(self, message, fatal=True):
         super().__init__(message)
@@ -39,9 +29,7 @@ class ChildError(RuntimeError):
 
 
 def library(name):
-    """tf2sync's `_src.<name>` module, imported when first needed: it
-    imports TensorFlow (7 s), which a harness that only checks its flags
-    or rewrites its report never needs."""
+    """tf2sync's `_src.<name>`, imported late (it imports TensorFlow)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     return __import__(f"tf2sync._src.{name}", fromlist=["_"])
 
@@ -67,8 +55,7 @@ def start_time(pid):
 
 
 def cpu_seconds(pid, started):
-    """User + system CPU seconds of the process `pid` started at `started`
-    (all its threads); 0 once it ended."""
+    """CPU seconds of `pid` started at `started`; 0 once it ended."""
     fields = _stat(pid)
     if fields is None or int(fields[19]) != started:
         return 0.0
@@ -76,8 +63,7 @@ def cpu_seconds(pid, started):
 
 
 def memory_kb(pid):
-    """VmRSS, VmHWM (peak RSS), RssAnon (what it allocated) and RssFile
-    (mostly its libraries' code) of `pid`, in kB."""
+    """VmRSS, VmHWM, RssAnon and RssFile of `pid`, in kB."""
     with open(f"/proc/{pid}/status") as f:
         pairs = [line.partition(":")[::2] for line in f]
     keys = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
@@ -95,10 +81,8 @@ def reset_peak(pid):
 
 
 class Child:
-    """One subprocess, ended only by its own PID (its session's group).
-
-    `protocol` False: a plain server task, which answers no command.
-    """
+    """One subprocess, in its own session, ended by its PID (`protocol`
+    False: a server task, which answers no command)."""
 
     def __init__(self, name, argv, log_path, env=None, protocol=True):
         self.name = name
@@ -134,7 +118,6 @@ class Child:
         self._log.close()
 
     def send(self, op, **args):
-        """Sends one command; `receive` gets its answer."""
         try:
             self.process.stdin.write(json.dumps({"op": op, **args}) + "\n")
             self.process.stdin.flush()
@@ -142,7 +125,6 @@ class Child:
             raise ChildError(f"{self.name} is gone ({e}).") from None
 
     def receive(self, timeout):
-        """The next answer; raises `ChildError` on error, end or timeout."""
         try:
             reply = self._replies.get(timeout=timeout)
         except queue.Empty:
@@ -168,7 +150,6 @@ class Child:
         return self.process.poll() is None
 
     def signal(self, sig):
-        """Sends `sig` to the child's own process group (pgid == pid)."""
         if self.running():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.pid, sig)
@@ -177,19 +158,15 @@ class Child:
         stop_all([self], grace)
 
     def record(self):
-        """Name, PID and start time (to tell a reused PID apart)."""
         return {"name": self.name, "pid": self.pid, "start_time": self.started}
 
 
 class Registry:
-    """Every process the harness started, to end them all by PID."""
-
     def __init__(self, log_dir):
         self.log_dir = log_dir
         self.children = []
 
     def start(self, name, argv, env=None, protocol=True):
-        """Starts a `Child`, logging to `<log_dir>/<name>.log`."""
         log_path = os.path.join(self.log_dir, f"{name}.log")
         child = Child(name, argv, log_path, env=env, protocol=protocol)
         self.children.append(child)
@@ -202,11 +179,9 @@ class Registry:
         stop_all(self.children)
 
     def cpu_seconds(self):
-        """CPU seconds used so far by the started processes still running."""
         return sum(cpu_seconds(c.pid, c.started) for c in self.children)
 
     def alive(self):
-        """The records of started processes that still run."""
         return [
             c.record() for c in self.children if start_time(c.pid) == c.started
         ]
@@ -220,10 +195,8 @@ def _wait_all(children, seconds):
 
 
 def stop_all(children, grace=5.0):
-    """Ends `children` by PID: `exit`, then SIGTERM, then SIGKILL, each to
-    all still running at once, then at most `grace` s for them all (plain
-    server tasks get no `exit`, and only 2 s after SIGTERM: a task blocked
-    in `server.join()` does not run its handler)."""
+    """`exit`, then SIGTERM (2 s: a server task blocked in `join` ignores
+    it), then SIGKILL, each to all still running, `grace` s for them."""
     protocol = [c for c in children if c.running() and c.process.stdin]
     for child in protocol:
         with contextlib.suppress(ChildError):
@@ -240,15 +213,13 @@ def stop_all(children, grace=5.0):
 
 
 def reply(value):
-    """Child side: writes one marked answer line."""
     sys.stdout.write(MARK + json.dumps(value) + "\n")
     sys.stdout.flush()
 
 
 def serve(handlers, ready=None):
-    """Child side: answers `{"op": NAME, ...}` lines from stdin with
-    `handlers[NAME](**args)` (an exception: `{"error": ...}`) until `exit`
-    or the end of stdin, then `os._exit(0)`. SIGUSR1 dumps the stacks."""
+    """Answers `{"op": NAME, ...}` lines with `handlers[NAME](**args)` until
+    `exit` or the end of stdin. SIGUSR1 dumps the stacks."""
     library("launcher.processes").exit_with_parent()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     reply({"op": "ready", "pid": os.getpid(), **(ready or {})})

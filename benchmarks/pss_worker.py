@@ -3,8 +3,9 @@
 Commands (`procs.serve`): `setup(key, system, workload, k, **options)`
 builds and warms up a runner (options: `rta`, `total`, `delay_factor`,
 `shards`) and answers its bytes on each ps; `run(key, functions, window)`
-times it. `--workers=0`: `local`, no cluster; `--cluster_spec`: tasks the
-harness started; else an in-process cluster of `--ps` ps.
+times it. `--workers=0`: `local`, no cluster; `--mwms`: one worker of
+`mwms`; `--cluster_spec`: tasks the harness started; else an in-process
+cluster of `--ps` ps.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ _CLUSTER_SPEC = flags.DEFINE_string(
 _OPTIMIZER = flags.DEFINE_enum(
     "optimizer", "legacy", ["legacy", "keras"], "Momentum SGD family."
 )
+_MWMS = flags.DEFINE_bool(
+    "mwms", False, "A MultiWorkerMirroredStrategy worker (its TF_CONFIG set)."
+)
 _HOLD_TIME = flags.DEFINE_bool(
     "hold_time", False, "Probe how long pushes hold the critical section."
 )
@@ -59,8 +63,9 @@ def _probe(runner):
 class _Server:
     """The runners of this process, by key."""
 
-    def __init__(self, resolver, workers, kind):
+    def __init__(self, resolver, workers, kind, mwms=None):
         self.resolver = resolver
+        self.mwms = mwms
         self.workers = workers
         self.kind = kind
         self.runners = {}
@@ -69,9 +74,10 @@ class _Server:
         sync = system.startswith("tf2sync")
         answer = {"key": key}
         common = (workload, k, self.kind)
-        if system == "local":
-            runner = systems.LocalRunner(workload, self.workers, k, self.kind)
-            self.runners[key] = runner
+        if system in ("local", "mwms"):
+            self.runners[key] = systems.LocalRunner(
+                workload, self.workers, k, self.kind, strategy=self.mwms
+            )
             return answer
         strategy = systems.strategy(
             self.resolver,
@@ -92,11 +98,7 @@ class _Server:
                 compute = _compute_seconds(workload, self.kind)
                 delay_s = options["delay_factor"] * compute
                 answer["compute_s"] = compute
-            group = None  # a tf.while_loop of single steps
-            if system == "tf2sync_loop":  # tf2sync.Trainer's default
-                group = strategy.options.max_unrolled_steps
-            elif system.endswith("_unrolled"):
-                group = k
+            group = systems.loop_group(system, strategy, k)
             runner = systems.LoopRunner(
                 strategy, *common, sync=sync, delay_s=delay_s, group=group
             )
@@ -125,8 +127,11 @@ def main(argv):
         from tf2sync._src.sync import hold_time
 
         hold_time.enable()
-    workers = _WORKERS.value
-    if _CLUSTER_SPEC.value:
+    workers, mwms = _WORKERS.value, None
+    if _MWMS.value:
+        workers, resolver = 1, None
+        mwms = tf.distribute.MultiWorkerMirroredStrategy()
+    elif _CLUSTER_SPEC.value:
         spec = json.loads(_CLUSTER_SPEC.value)
         for address in spec["ps"] + spec["worker"]:
             local_tasks.wait_for_port(address, 120.0)
@@ -141,7 +146,7 @@ def main(argv):
         resolver = tf2sync.testing.local_cluster(workers, _PS.value)
     else:  # `local` only: a cluster would move its variables off localhost
         workers, resolver = _LOCAL_WORKERS.value, None
-    server = _Server(resolver, workers, _OPTIMIZER.value)
+    server = _Server(resolver, workers, _OPTIMIZER.value, mwms)
     handlers = {"setup": server.setup, "run": server.run}
     procs.serve(handlers, ready={"workers": workers})
 

@@ -12,6 +12,8 @@ A run writes records (`driver.Bench`); `*_targets(records)` and
 
 from __future__ import annotations
 
+import itertools
+
 from driver import PSS_SYSTEMS
 from driver import SYSTEMS
 from driver import Endpoint
@@ -101,7 +103,7 @@ def scenario_main(bench, workload, workers=2):
             )
         if "mwms" in s.systems:
             children = bench.start_mwms(workload, workers, tag=tag)
-            args = {"k": s.k}
+            args = {"system": "mwms", **common}
             endpoints.append(Endpoint("mwms", "mwms", children, args, workers))
         # Each baseline beside its current system in the first round.
         endpoints.sort(
@@ -238,53 +240,38 @@ def before_after_rows(records):
     trees' medians, their ratios and PASS / MISS / n/a."""
     found = rates(records, "main")
     cpu = rates(records, "main", "cpu_us_per_example")
-    failed = {
+    ran = set(found) | {
         (r.get("workload"), r.get("system")) for r in errors(records, "main")
     }
-    ran = set(found) | failed
     if not any(system.endswith(BASELINE) for _, system in ran):
         return []
     rows = []
-    for workload in WORKLOADS:
-        local = median(found.get((workload, "local")))
-        tf1 = median(found.get((workload, "tf1_sync")))
-        for system in PSS_SYSTEMS:
-            then = system + BASELINE
-            if not system.startswith("tf2sync") or (workload, then) not in ran:
-                continue
-            now_rate = median(found.get((workload, system)))
-            then_rate = median(found.get((workload, then)))
-            paired = paired_ratios(records, workload, system)
-            kept = median(paired) if paired else ratio(now_rate, then_rate)
-            result = "PASS" if kept and kept >= BASELINE_KEEP else "MISS"
-            rows.append(
-                {
-                    "workload": workload,
-                    "system": system,
-                    "current": now_rate,
-                    "baseline": then_rate,
-                    "runs": [
-                        len(found.get((workload, x), []))
-                        for x in (system, then)
-                    ],
-                    "ratio": ratio(now_rate, then_rate),
-                    "paired": median(paired),
-                    "rounds": len(paired),
-                    "kept": kept,
-                    "vs_local": [
-                        ratio(now_rate, local),
-                        ratio(then_rate, local),
-                    ],
-                    "vs_tf1_sync": [
-                        ratio(now_rate, tf1),
-                        ratio(then_rate, tf1),
-                    ],
-                    "cpu_us": [
-                        median(cpu.get((workload, x))) for x in (system, then)
-                    ],
-                    "result": "n/a (not measured)" if kept is None else result,
-                }
-            )
+    for workload, system in itertools.product(WORKLOADS, PSS_SYSTEMS):
+        both = (system, system + BASELINE)
+        if not system.startswith("tf2sync") or (workload, both[1]) not in ran:
+            continue
+        mid = {x: median(found.get((workload, x))) for x in SYSTEMS + both}
+        now, then = mid[system], mid[both[1]]
+        paired = paired_ratios(records, workload, system)
+        kept = median(paired) if paired else ratio(now, then)
+        result = "PASS" if kept and kept >= BASELINE_KEEP else "MISS"
+        rows.append(
+            {
+                "workload": workload,
+                "system": system,
+                "current": now,
+                "baseline": then,
+                "runs": [len(found.get((workload, x), [])) for x in both],
+                "ratio": ratio(now, then),
+                "paired": median(paired),
+                "rounds": len(paired),
+                "kept": kept,
+                "vs_local": [ratio(mid[x], mid["local"]) for x in both],
+                "vs_tf1_sync": [ratio(mid[x], mid["tf1_sync"]) for x in both],
+                "cpu_us": [median(cpu.get((workload, x))) for x in both],
+                "result": "n/a (not measured)" if kept is None else result,
+            }
+        )
     return rows
 
 
@@ -294,46 +281,43 @@ def before_after_section(records):
     if not found:
         return []
     config = next((r for r in records if r.get("event") == "config"), {})
-
-    def pair(values, spec):
-        return " / ".join(fmt(v, spec) for v in values)
-
-    rows = [
-        [
-            r["workload"],
-            f"`{r['system']}`",
-            fmt(r["current"]),
-            fmt(r["baseline"]),
-            pair(r["runs"], "d"),
-            fmt(r["ratio"], ".3f"),
-            f"{fmt(r['paired'], '.3f')} ({r['rounds']})",
-            pair(r["vs_local"], ".2f"),
-            pair(r["vs_tf1_sync"], ".2f"),
-            pair(r["cpu_us"], ".1f"),
-            r["result"],
-        ]
-        for r in found
-    ]
-    missed = [
-        f"{r['workload']} `{r['system']}`"
-        for r in found
-        if r["result"] != "PASS"
-    ]
+    missed = [f"{r['workload']} `{r['system']}`" for r in found]
+    missed = [m for m, r in zip(missed, found) if r["result"] != "PASS"]
     verdict = f"Every cell keeps >= {BASELINE_KEEP:.2f} x the baseline."
     if missed:
         verdict = f"Not PASS (MISS or not measured): {', '.join(missed)}."
     both = " (current / baseline)"
-    header = ["workload", "system", "current ex/s", "baseline ex/s"]
-    header += ["runs" + both, "current / baseline"]
-    header += ["paired rounds: median (rounds)", "vs local" + both]
-    header += ["vs tf1_sync" + both, "CPU us / ex" + both]
-    header.append(f"current / baseline >= {BASELINE_KEEP:.2f}")
+    header = (
+        f"workload|system|current ex/s|baseline ex/s|runs{both}|current / "
+        f"baseline|paired rounds: median (rounds)|vs local{both}|vs "
+        f"tf1_sync{both}|CPU us / ex{both}|current / baseline >= "
+        f"{BASELINE_KEEP:.2f}"
+    ).split("|")
+
+    def row(r):
+        def pair(key, spec):
+            return " / ".join(fmt(v, spec) for v in r[key])
+
+        return [
+            r["workload"],
+            f"`{r['system']}`",
+            fmt(r["current"]),
+            fmt(r["baseline"]),
+            pair("runs", "d"),
+            fmt(r["ratio"], ".3f"),
+            f"{fmt(r['paired'], '.3f')} ({r['rounds']})",
+            pair("vs_local", ".2f"),
+            pair("vs_tf1_sync", ".2f"),
+            pair("cpu_us", ".1f"),
+            r["result"],
+        ]
+
     return [
         "This tree against the baseline tree "
         f"`{config.get('baseline_tree') or '?'}` "
         f"(`<system>{BASELINE}`), interleaved in the same rounds; see "
         f"docs/benchmarks.md#before-and-after. {verdict}",
-        (header, rows),
+        (header, [row(r) for r in found]),
     ]
 
 

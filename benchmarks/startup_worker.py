@@ -167,9 +167,7 @@ class _Server:
                 strategy, workload, k, rounds
             )
         else:
-            group = None  # a tf.while_loop of single steps
-            if system == "tf2sync_loop":  # repeated, as Trainer's default
-                group = strategy.options.max_unrolled_steps
+            group = systems.loop_group(system, strategy, k)
             runner = systems.LoopRunner(
                 *common, sync=sync, group=group, warmup=0
             )

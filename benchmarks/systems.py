@@ -1,13 +1,9 @@
-"""Runners of the ParameterServerStrategy family, built once, timed often.
-
-`LocalRunner` (one process, global batch N x B), `LoopRunner` (a custom
-loop on a `ClusterCoordinator`) and `FitRunner` (`model.fit`), stock or
-tf2sync; `run(functions)` returns examples, seconds and examples/s
-(docs/benchmarks.md#how-the-harness-measures).
-"""
+"""The systems' runners, built once, timed often
+(docs/benchmarks.md#systems)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -38,8 +34,7 @@ def result(examples, seconds, **extra) -> dict:
 
 
 def ps_bytes(variables) -> dict:
-    """{ps task index (str), or "other": bytes} of `variables` by device
-    (each shard of a `ShardedVariable` on its own)."""
+    """{ps task index (str), or "other": bytes} of `variables`' shards."""
     found = {}
     for v in sharding.shards(variables):
         spec = tf.DeviceSpec.from_string(v.device or "")
@@ -50,8 +45,7 @@ def ps_bytes(variables) -> dict:
 
 
 def strategy(resolver, sync, workers, rta=None, total=None, shards=None):
-    """Stock PSS or tf2sync's (`rta` of `total`, default all workers), its
-    variables in `shards` (`FixedShardsPartitioner`) if given."""
+    """Stock PSS or tf2sync's (`rta` of `total`), in `shards` if given."""
     part = shards and tf.distribute.experimental.partitioners
     part = part and part.FixedShardsPartitioner(shards)
     if not sync:
@@ -66,6 +60,14 @@ def strategy(resolver, sync, workers, rta=None, total=None, shards=None):
     )
 
 
+def loop_group(system, strategy, k):
+    """LoopRunner's `group` of `system`: tf2sync.Trainer's default for
+    tf2sync_loop, the whole function unrolled for *_unrolled, else None."""
+    if system == "tf2sync_loop":
+        return strategy.options.max_unrolled_steps
+    return k if system.endswith("_unrolled") else None
+
+
 def make_optimizer(model, kind, sync):
     """Momentum SGD (wrapped if `sync`), its slots built now, eagerly."""
     inner = workloads.optimizer(kind)
@@ -78,24 +80,42 @@ def make_optimizer(model, kind, sync):
 
 
 class LocalRunner:
-    """One process, the global batch (workers x B), K steps per function."""
+    """One process on the global batch (workers x B), K steps per function;
+    with a `MultiWorkerMirroredStrategy`, one of its workers (B each)."""
 
-    def __init__(self, workload, workers, k, kind):
-        self.batch = workloads.batch(workload) * workers
+    def __init__(self, workload, workers, k, kind, strategy=None):
+        replicas = strategy.num_replicas_in_sync if strategy else 1
+        self.batch = workloads.batch(workload) * workers * replicas
         self.k = k
-        model = workloads.build_model(workload)
-        opt = make_optimizer(model, kind, sync=False)
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            model = workloads.build_model(workload)
+            opt = make_optimizer(model, kind, sync=False)
         loss = workloads.loss_fn(workload)
-        self.iterator = iter(workloads.dataset(workload, self.batch))
+        batch = self.batch // replicas
+        if strategy:
+            data = strategy.distribute_datasets_from_function(
+                lambda _: workloads.dataset(workload, batch)
+            )
+        else:
+            data = workloads.dataset(workload, batch)
+        self.iterator = iter(data)
+
+        def replica(batch):
+            x, y = batch
+            with tf.GradientTape() as tape:
+                value = loss(y, model(x))
+                if replicas > 1:  # MWMS sums the replicas' gradients
+                    value = value / replicas
+            grads = tape.gradient(value, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
 
         @tf.function
         def train(iterator):
             for _ in tf.range(k):
-                x, y = next(iterator)
-                with tf.GradientTape() as tape:
-                    value = loss(y, model(x))
-                grads = tape.gradient(value, model.trainable_variables)
-                opt.apply_gradients(zip(grads, model.trainable_variables))
+                if strategy:
+                    strategy.run(replica, args=(next(iterator),))
+                else:
+                    replica(next(iterator))
 
         self.train = train
         self.run(WARMUP_FUNCTIONS)
@@ -110,13 +130,9 @@ class LocalRunner:
 
 
 class LoopRunner:
-    """A custom loop on a ClusterCoordinator, stock or tf2sync (`sync`).
-
-    `group`: None, a `tf.while_loop` of single steps; an int, tf2sync's
-    loop with up to that many copies of the step per iteration. `delay_s`:
-    seconds each step of worker 0 sleeps (a straggler). `warmup`: functions
-    run now; with 0 the caller calls `start()` (builds the iterators).
-    """
+    """A custom loop on a ClusterCoordinator (`group`: None, a while loop of
+    single steps, else up to that many per iteration; `delay_s`: worker 0's
+    sleep per step; `warmup` 0: the caller calls `start()`)."""
 
     def __init__(
         self,
@@ -204,8 +220,7 @@ class LoopRunner:
         return [int(self.opt.stale_dropped.numpy()), *accepted]
 
     def run(self, functions, window=False):
-        """Times `functions` functions; with `window`, between 20 % and 80 %
-        of the gradients counted (no start, no tail)."""
+        """Times `functions` functions (`window`: from 20 % to 80 %)."""
         grads0, steps0 = self._counts()
         sync0 = self._sync_counts()
         samples = []
@@ -256,8 +271,7 @@ def _sleep(seconds):
 
 
 class EpochTimer(tf.keras.callbacks.Callback):
-    """Times epoch `epoch` of `fit` and what `counts()` moved in it (read
-    after the epoch's join, so exact)."""
+    """Times epoch `epoch` and what `counts()` moved in it."""
 
     def __init__(self, epoch, counts):
         super().__init__()
@@ -276,8 +290,7 @@ class EpochTimer(tf.keras.callbacks.Callback):
 
 
 class FitRunner:
-    """`model.fit` with `steps_per_execution=k`, stock or tf2sync; with
-    `keras_loop`, after `tf2sync.unroll_fit_steps(model, False)`."""
+    """`model.fit` with `steps_per_execution=k`, stock or tf2sync."""
 
     def __init__(
         self,
@@ -317,8 +330,7 @@ class FitRunner:
         return steps, steps
 
     def run(self, functions, window=False):
-        """One `fit` of 2 epochs of `functions` x k steps; times the 2nd
-        (the 1st also builds and ships the input pipelines)."""
+        """One `fit` of 2 epochs of `functions` x k steps; times the 2nd."""
         timer = EpochTimer(1, self._counts)
         start = time.perf_counter()
         self.model.fit(
@@ -340,9 +352,7 @@ class FitRunner:
         )
 
     def _settle(self):
-        """Deletes this `fit`'s per-worker iterators now, untimed: their
-        deletion otherwise runs on the workers ahead of the next system's
-        functions (a loop timed after `fit` took up to 1.5 x as long)."""
+        """Deletes this `fit`'s iterators now, not in the next system's run."""
         gc.collect()
         coordinator = self.model._cluster_coordinator
         if coordinator is not None:

@@ -55,7 +55,7 @@ class _Replica:
     """One worker's graph, train op and monitored session."""
 
     def __init__(
-        self, spec, index, num_workers, workload, master, config, shards=1
+        self, spec, index, master, num_workers, workload, config, shards
     ):
         self.graph = tf.Graph()
         with self.graph.as_default():
@@ -125,30 +125,16 @@ class _Server:
     can leave one blocked on a token forever)."""
 
     def __init__(self, num_workers, workload, num_ps=1, shards=1):
-        self.num_ps = num_ps
-        self.shards = shards
-        self.num_workers = num_workers
-        self.workload = workload
-        self.replicas = None
-        self.gate = threading.Event()
-        self.done = threading.Event()
-        self.errors = []
-        self.target = None
-        self.hit = None
+        self.num_ps, self.shards = num_ps, shards
+        self.num_workers, self.workload = num_workers, workload
+        self.gate, self.done = threading.Event(), threading.Event()
+        self.errors, self.target, self.hit = [], None, None
 
     def setup(self, steps):
         spec, servers, config = _start_cluster(self.num_workers, self.num_ps)
+        args = (self.num_workers, self.workload, config, self.shards)
         self.replicas = [  # the chief first: the others wait for its init
-            _Replica(
-                spec,
-                i,
-                self.num_workers,
-                self.workload,
-                s.target,
-                config,
-                self.shards,
-            )
-            for i, s in enumerate(servers)
+            _Replica(spec, i, s.target, *args) for i, s in enumerate(servers)
         ]
         for replica in self.replicas:
             threading.Thread(
@@ -191,12 +177,7 @@ class _Server:
     def run(self, steps):
         applied, seconds = self._until(steps)
         examples = applied * self.num_workers * workloads.batch(self.workload)
-        return {
-            "examples": examples,
-            "seconds": round(seconds, 4),
-            "examples_per_sec": round(examples / seconds, 1),
-            "steps": applied,
-        }
+        return systems.result(examples, seconds, steps=applied)
 
 
 def main(argv):
