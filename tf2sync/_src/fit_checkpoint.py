@@ -32,10 +32,13 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
          resume hook, the one `BackupAndRestore` sets). An epoch resumed
          so reads its remaining steps from its input's start (each
          worker's pipeline is new), and its plan of updates is those
-         steps' (no update over the plan).
+         steps' (no update over the plan). A directory holding a finished
+         run's saves resumes at its end: a new run needs a new directory.
       3. After a scheduled function, when `every_steps` steps (as `fit`
          counts them: `steps_per_epoch`) or `every_seconds` seconds have
-         passed since the last save, the coordinator joins (every
+         passed since the last save (seconds of training: with a time
+         cadence each function waits for the one scheduled two per worker
+         before it, as `fit` schedules far ahead), the coordinator joins (every
          scheduled step ends; no apply is under way on any ps) and the
          checkpoint is written `<directory>/ckpt-<epoch>_<step>`: `epoch`
          epochs done and `step` steps of the next.
@@ -49,7 +52,7 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
     are kept, inside epochs or at their ends. Gradients accumulated toward
     an update not yet applied when the save is made are not in it (as at
     an epoch's end). What a save inside an epoch costs is a join: workers
-    idle from their last step until the write ends (docs/guide/faults.md).
+    idle from their last step until the write ends (docs/performance.md).
 
     Args:
       directory: Where checkpoints are written and resumed from.
