@@ -66,6 +66,27 @@ class ArgumentsTest(parameterized.TestCase):
         self.assertEqual(checkpointing.latest_epoch("/nonexistent"), (None, 0))
 
 
+class EvaluatorTest(absltest.TestCase):
+    def test_a_newer_save_inside_an_epoch_hides_no_epoch(self):
+        directory = tempfile.mkdtemp()
+        model = testutil.dense_model()
+        checkpoint = tf.train.Checkpoint(model=model)
+        saver = checkpointing.OneTraceSaver(checkpoint, directory, 5)
+        for name in ("1", "2", "2_5"):  # the newest is inside epoch 3
+            saver.save(name)
+        x, y = testutil.data("dense", 8)
+        results = checkpointing.evaluate_checkpoints(
+            testutil.dense_model,
+            (x, tf.one_hot(y, 3)),
+            "mse",
+            [],
+            directory,
+            max_evaluations=2,
+            timeout=1,
+        )
+        self.assertEqual([epoch for epoch, _ in results], [1, 2])
+
+
 class ResumeInsideAnEpochTest(absltest.TestCase):
     """One cluster per process: both runs share it (see testutil)."""
 

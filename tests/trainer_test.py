@@ -763,6 +763,20 @@ class TrainerTest(parameterized.TestCase):
         self.assertLess(
             testutil.max_abs_diff(model.get_weights(), uninterrupted), 1e-6
         )
+        # The same save resumed with epochs of 4 steps: its epoch is done.
+        shorter = tempfile.mkdtemp()
+        for name in tf.io.gfile.glob(os.path.join(whole_dir, "ckpt-1_4*")):
+            tf.io.gfile.copy(name, os.path.join(shorter, name.split("/")[-1]))
+        tf.compat.v1.train.update_checkpoint_state(
+            shorter, os.path.join(shorter, "ckpt-1_4")
+        )
+        parts = _parts(seed=3)
+        other = parts[2]
+        history = _trainer(parts, 2, checkpoint_dir=shorter).train(
+            _dataset_fn, epochs=2, steps_per_epoch=4
+        )
+        self.assertEqual(history.history, {})  # no step, no negative plan
+        self.assertEqual(int(other.iterations.numpy()), 6)
 
     def test_checkpoint_seconds_are_the_trainings(self):
         # The trainer schedules an epoch's 20 functions at once (within

@@ -327,9 +327,8 @@ def evaluate_checkpoints(
     writer = tf.summary.create_file_writer(log_dir) if log_dir else None
     x, y = eval_arrays
     results = []
-    for path in tf.train.checkpoints_iterator(directory, timeout=timeout):
-        if position_of(path)[1]:
-            continue  # a save inside an epoch: epochs are evaluated
+    done = set()
+    for path in _epoch_ends(directory, timeout, done):
         checkpoint.restore(path).expect_partial()
         values = model.evaluate(x, y, verbose=0, return_dict=True)
         epoch = _epoch_of(path)
@@ -347,6 +346,20 @@ def evaluate_checkpoints(
         if max_evaluations and len(results) >= max_evaluations:
             break
     return results
+
+
+def _epoch_ends(directory, timeout, done):
+    """Each epoch's end save not in `done` (added as yielded), oldest
+    first, as saves come: a newer save inside an epoch does not hide the
+    epoch's end before it (`checkpoints_iterator` yields the newest)."""
+    for newest in tf.train.checkpoints_iterator(directory, timeout=timeout):
+        state = tf.train.get_checkpoint_state(directory)
+        paths = list(state.all_model_checkpoint_paths) if state else []
+        for path in paths + [newest]:
+            path = os.path.join(directory, os.path.basename(path))
+            if position_of(path)[1] == 0 and path not in done:
+                done.add(path)
+                yield path
 
 
 class OneTraceSaver:

@@ -108,7 +108,11 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
 
     def _prepare_checkpoint(self):
         model = self.model
-        if self._checkpoint is None or self._checkpoint.model is not model:
+        if (
+            self._checkpoint is None
+            or self._checkpoint.model is not model
+            or self._checkpoint.optimizer is not model.optimizer
+        ):  # a new model, or compiled again with another optimizer
             self._checkpoint = tf.train.Checkpoint(
                 model=model, optimizer=model.optimizer
             )
@@ -156,6 +160,9 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
         """Where `fit` starts: the restored position, or `initial_epoch`
         (tf_keras's resume hook, read once after `on_train_begin`)."""
         del mode
+        # Read once, by this fit: a fit that raised before its end leaves
+        # no position for the next one.
+        keras_training.set_fit_resume(self.model, None)
         position, self._position = self._position, None
         if position is None or position == (0, 0):
             return initial_epoch, 0

@@ -266,6 +266,9 @@ class Trainer(trainer_epochs.EpochsMixin):
         if self._saver:  # traced while every task answers
             self._saver.prepare()
         start_epoch = int(self._epoch.numpy())
+        if steps_per_epoch and first_step >= steps_per_epoch:
+            # Saved inside an epoch now shorter: its steps all ran.
+            start_epoch, first_step = start_epoch + 1, 0
         rest = (steps_per_epoch or 0) % self.steps_per_loop
         history = tf_keras.callbacks.History()
         callback_list = tf_keras.callbacks.CallbackList(
