@@ -783,8 +783,11 @@ class TrainerTest(parameterized.TestCase):
         # its set-up, under 0.8 s); their steps take 50 ms each (2 s an
         # epoch on 2 workers). A clock read as they are scheduled never
         # saw 0.8 s pass inside the second epoch.
+        slow_now = [True]  # off at the end: nothing left sleeping after
+
         def slow(x):
-            time.sleep(0.05)
+            if slow_now[0]:
+                time.sleep(0.05)
             return x
 
         def dataset_fn(input_context):
@@ -807,6 +810,7 @@ class TrainerTest(parameterized.TestCase):
         )
         trainer.train(dataset_fn, epochs=1, steps_per_epoch=80)  # set up
         trainer.train(dataset_fn, epochs=2, steps_per_epoch=80)
+        slow_now[0] = False
         state = tf.train.get_checkpoint_state(directory)
         names = [os.path.basename(p) for p in state.all_model_checkpoint_paths]
         self.assertNotEmpty(
