@@ -45,6 +45,17 @@ def _chief_args(spec, checkpoint_dir, epochs, rta=None, total=None, shim=False):
     return args
 
 
+def _restart_ps(chief, tasks):
+    """Kills ps 0, restarts it 2 s later at its address (empty variables),
+    and returns the chief's stdout once it ends."""
+    tasks.kill("ps", 0)
+    time.sleep(2)
+    tasks.restart("ps", 0)
+    output = chief.stdout.read()
+    chief.wait(timeout=240)
+    return output
+
+
 class FaultTest(absltest.TestCase):
     def _check_final_weights(self, output, checkpoint_dir):
         match = _APPLIED.search(output)
@@ -169,11 +180,7 @@ class FaultTest(absltest.TestCase):
         )
         try:
             procutil.wait_for_line(chief, "Epoch 3/5")  # ckpt-2 is saved
-            tasks.kill("ps", 0)
-            time.sleep(2)
-            tasks.restart("ps", 0)  # same address, empty variables
-            output = chief.stdout.read()
-            chief.wait(timeout=240)
+            output = _restart_ps(chief, tasks)
         finally:
             procutil.kill(chief)
             pids = tasks.stop()
@@ -206,11 +213,7 @@ class FaultTest(absltest.TestCase):
                     saved = latest
                 time.sleep(0.02)
             self.assertIsNotNone(saved, "no save inside epoch 2 or 3")
-            tasks.kill("ps", 0)
-            time.sleep(2)
-            tasks.restart("ps", 0)  # same address, empty variables
-            output = chief.stdout.read()
-            chief.wait(timeout=240)
+            output = _restart_ps(chief, tasks)
         finally:
             procutil.kill(chief)
             pids = tasks.stop()

@@ -1,7 +1,6 @@
 """`tf2sync.SyncCheckpoint`: saves inside epochs, and `fit` resumes there."""
 
 import os
-import shutil
 import tempfile
 import time
 
@@ -145,12 +144,7 @@ class ResumeInsideAnEpochTest(absltest.TestCase):
         self.assertEqual(saved_steps, [(_STEPS + 4) // 2])
 
         # A restart after ckpt-1_4: only it is in the directory.
-        resumed_dir = tempfile.mkdtemp()
-        for name in tf.io.gfile.glob(os.path.join(whole_dir, "ckpt-1_4*")):
-            shutil.copy(name, resumed_dir)
-        tf.compat.v1.train.update_checkpoint_state(
-            resumed_dir, os.path.join(resumed_dir, "ckpt-1_4")
-        )
+        resumed_dir = testutil.only_save(whole_dir, "ckpt-1_4")
         resumed, steps = self._fit(
             strategy, initial, resumed_dir, every_steps=4
         )

@@ -329,3 +329,15 @@ class FetchRecorded:
     def fetch(self):
         self._events.append("fetched")
         return self._value.fetch()
+
+
+def only_save(source_dir, name):
+    """A new directory whose one checkpoint is `source_dir`'s `name` (a
+    restart after that save)."""
+    directory = tempfile.mkdtemp()
+    for path in tf.io.gfile.glob(os.path.join(source_dir, name + "*")):
+        tf.io.gfile.copy(path, os.path.join(directory, os.path.basename(path)))
+    tf.compat.v1.train.update_checkpoint_state(
+        directory, os.path.join(directory, name)
+    )
+    return directory

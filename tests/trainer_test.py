@@ -736,12 +736,7 @@ class TrainerTest(parameterized.TestCase):
             ["ckpt-0_4", "ckpt-1", "ckpt-1_4", "ckpt-2"],
         )
         # A restart whose newest save is ckpt-1_4 (6 of 8 updates).
-        directory = tempfile.mkdtemp()
-        for name in tf.io.gfile.glob(os.path.join(whole_dir, "ckpt-1_4*")):
-            tf.io.gfile.copy(name, os.path.join(directory, name.split("/")[-1]))
-        tf.compat.v1.train.update_checkpoint_state(
-            directory, os.path.join(directory, "ckpt-1_4")
-        )
+        directory = testutil.only_save(whole_dir, "ckpt-1_4")
         strategy, model, optimizer = _parts(seed=7)
         history = _trainer(
             (strategy, model, optimizer),
@@ -764,12 +759,7 @@ class TrainerTest(parameterized.TestCase):
             testutil.max_abs_diff(model.get_weights(), uninterrupted), 1e-6
         )
         # The same save resumed with epochs of 4 steps: its epoch is done.
-        shorter = tempfile.mkdtemp()
-        for name in tf.io.gfile.glob(os.path.join(whole_dir, "ckpt-1_4*")):
-            tf.io.gfile.copy(name, os.path.join(shorter, name.split("/")[-1]))
-        tf.compat.v1.train.update_checkpoint_state(
-            shorter, os.path.join(shorter, "ckpt-1_4")
-        )
+        shorter = testutil.only_save(whole_dir, "ckpt-1_4")
         parts = _parts(seed=3)
         other = parts[2]
         history = _trainer(parts, 2, checkpoint_dir=shorter).train(
