@@ -5,7 +5,6 @@ import io
 import os
 import tempfile
 import threading
-import time
 from unittest import mock
 
 import numpy as np
@@ -13,6 +12,7 @@ import tensorflow as tf
 import testutil
 from absl.testing import absltest
 from absl.testing import parameterized
+from tensorflow.python.data.experimental.ops import testing as data_testing
 
 import tf2sync
 from tf2sync._src import callbacks as callbacks_lib
@@ -773,22 +773,10 @@ class TrainerTest(parameterized.TestCase):
         # its set-up, under 0.8 s); their steps take 50 ms each (2 s an
         # epoch on 2 workers). A clock read as they are scheduled never
         # saw 0.8 s pass inside the second epoch.
-        slow_now = [True]  # off at the end: nothing left sleeping after
-
-        def slow(x):
-            if slow_now[0]:
-                time.sleep(0.05)
-            return x
-
+        # The sleep is tf.data's own (C++, no Python): a Python function in
+        # the input of an in-process worker stalled the whole suite on CI.
         def dataset_fn(input_context):
-            return _dataset_fn(input_context).map(
-                lambda x, y: (
-                    tf.ensure_shape(
-                        tf.numpy_function(slow, [x], x.dtype), x.shape
-                    ),
-                    y,
-                )
-            )
+            return _dataset_fn(input_context).apply(data_testing.sleep(50_000))
 
         directory = tempfile.mkdtemp()
         trainer = _trainer(
@@ -800,7 +788,6 @@ class TrainerTest(parameterized.TestCase):
         )
         trainer.train(dataset_fn, epochs=1, steps_per_epoch=80)  # set up
         trainer.train(dataset_fn, epochs=2, steps_per_epoch=80)
-        slow_now[0] = False
         state = tf.train.get_checkpoint_state(directory)
         names = [os.path.basename(p) for p in state.all_model_checkpoint_paths]
         self.assertNotEmpty(
