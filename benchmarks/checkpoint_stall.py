@@ -3,10 +3,11 @@
 One in-process cluster (127.0.0.1, 1 ps, `--workers` workers), a workload
 of `workloads.py` under `model.fit` with `steps_per_execution=10` (the
 launcher's default), epochs run side by side: without saves inside the
-epoch, and with `tf2sync.SyncCheckpoint(every_steps=...)`, alternating,
-the first epoch of each kind dropped (set-up). The stall per save is the
-extra epoch time over the saves it made; it is reported beside a
-synchronous step's time (an epoch without saves over its updates).
+epoch, with `tf2sync.SyncCheckpoint(every_steps=...)`, and with it
+writing in the background, in turn, the first epoch of each kind dropped
+(set-up). The stall per save is the extra epoch time over the saves it
+made; it is reported beside a synchronous step's time (an epoch without
+saves over its updates).
 
   python benchmarks/checkpoint_stall.py --workload=w3 --rounds=5
 """
@@ -45,7 +46,7 @@ class _EpochSeconds(tf.keras.callbacks.Callback):
 
 def _fit(model, data, saver):
     timer = _EpochSeconds()
-    callbacks = [timer] + ([saver] if saver else [])
+    callbacks = [timer] + ([saver] if saver else [])  # timer first
     model.fit(
         data,
         epochs=1,
@@ -75,29 +76,33 @@ def main(argv):
         lambda ctx: workloads.dataset(workload, batch)
     )
     saves = (_STEPS.value - 1) // _EVERY.value  # the epoch's end aside
-    plain, saving = [], []
+    kinds = {"no saves": None, "saves": False, "background saves": True}
+    seconds = {kind: [] for kind in kinds}
     for i in range(_ROUNDS.value + 1):
-        # A new directory each time: a saver resumes from its newest save.
-        saver = tf2sync.SyncCheckpoint(
-            tempfile.mkdtemp(), every_steps=_EVERY.value
-        )
-        a, b = _fit(model, data, None), _fit(model, data, saver)
-        if i:  # the first of each kind sets up
-            plain.append(a)
-            saving.append(b)
-    plain_s, saving_s = statistics.median(plain), statistics.median(saving)
-    updates = _STEPS.value / workers  # replicas_to_aggregate = workers
-    step_s = plain_s / updates
-    stall = (saving_s - plain_s) / saves
+        for kind, background in kinds.items():
+            # A new directory each time: a saver resumes from its newest.
+            saver = background is not None and tf2sync.SyncCheckpoint(
+                tempfile.mkdtemp(),
+                every_steps=_EVERY.value,
+                background=background,
+            )
+            took = _fit(model, data, saver)
+            if i:  # the first of each kind sets up
+                seconds[kind].append(took)
+    median = {kind: statistics.median(s) for kind, s in seconds.items()}
+    plain_s = median["no saves"]
+    step_s = plain_s / (_STEPS.value / workers)  # rta = workers
     print(
         f"{workload}, {workers} workers, {_STEPS.value} steps/epoch, a save "
-        f"every {_EVERY.value}: epoch {plain_s:.3f} s without saves, "
-        f"{saving_s:.3f} s with {saves} (medians of {_ROUNDS.value})"
+        f"every {_EVERY.value} ({saves} an epoch); medians of "
+        f"{_ROUNDS.value} epochs; synchronous step {step_s * 1000:.1f} ms"
     )
-    print(
-        f"stall per save {stall * 1000:.1f} ms; synchronous step "
-        f"{step_s * 1000:.1f} ms; ratio {stall / step_s:.2f} steps"
-    )
+    for kind in kinds:
+        stall = (median[kind] - plain_s) / saves
+        print(
+            f"{kind}: epoch {median[kind]:.3f} s, stall per save "
+            f"{stall * 1000:.1f} ms = {stall / step_s:.2f} steps"
+        )
 
 
 if __name__ == "__main__":

@@ -316,14 +316,14 @@ class OneTraceSaverTest(absltest.TestCase):
     def test_saves_trace_once_and_keep_the_newest(self):
         # TF traces (and registers with every task) a new function per save
         # of variables on several tasks; a frozen worker would block each.
-        from tf2sync._src import checkpointing
+        from tf2sync._src import saver as saver_lib
 
         strategy = testutil.strategy(2, replicas_to_aggregate=2)
         with strategy.scope():
             model = testutil.dense_model()
         directory = os.path.join(tempfile.mkdtemp(), "new")
         checkpoint = tf.train.Checkpoint(model=model)
-        saver = checkpointing.OneTraceSaver(checkpoint, directory, 2)
+        saver = saver_lib.OneTraceSaver(checkpoint, directory, 2)
         for epoch in range(1, 4):
             model.weights[0].assign(
                 tf.fill(model.weights[0].shape, float(epoch))

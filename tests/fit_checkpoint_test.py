@@ -2,7 +2,10 @@
 
 import os
 import tempfile
+import threading
+from unittest import mock
 
+import numpy as np
 import tensorflow as tf
 import testutil
 from absl.testing import absltest
@@ -11,6 +14,8 @@ from tensorflow.python.data.experimental.ops import testing as data_testing
 
 import tf2sync
 from tf2sync._src import checkpointing
+from tf2sync._src import saver as saver_lib
+from tf2sync._src.internals import checkpoints as checkpoints_internals
 
 _STEPS = 8  # per epoch
 _UPDATES = _STEPS  # in 2 epochs of 2 workers' pushes, 2 a step
@@ -52,6 +57,7 @@ class ArgumentsTest(parameterized.TestCase):
         ("every_seconds", float("inf")),
         ("every_seconds", "30"),
         ("max_to_keep", 0),
+        ("background", "yes"),
     )
     def test_bad_arguments_are_refused_in_one_line(self, name, value):
         with self.assertRaisesRegex(
@@ -66,11 +72,11 @@ class ArgumentsTest(parameterized.TestCase):
 
 
 class EvaluatorTest(absltest.TestCase):
-    def test_a_newer_save_inside_an_epoch_hides_no_epoch(self):
+    def test_a_newer_save_inside_an_epoch_hides_not_the_newest_end(self):
         directory = tempfile.mkdtemp()
         model = testutil.dense_model()
         checkpoint = tf.train.Checkpoint(model=model)
-        saver = checkpointing.OneTraceSaver(checkpoint, directory, 5)
+        saver = saver_lib.OneTraceSaver(checkpoint, directory, 5)
         for name in ("1", "2", "2_5"):  # the newest is inside epoch 3
             saver.save(name)
         x, y = testutil.data("dense", 8)
@@ -83,10 +89,89 @@ class EvaluatorTest(absltest.TestCase):
             max_evaluations=2,
             timeout=1,
         )
-        self.assertEqual([epoch for epoch, _ in results], [1, 2])
+        # The newest save is inside epoch 3: the newest epoch's end is
+        # evaluated; the older one is skipped, as an evaluator that fell
+        # behind skips to the newest.
+        self.assertEqual([epoch for epoch, _ in results], [2])
 
 
-class ResumeInsideAnEpochTest(absltest.TestCase):
+class BackgroundSaveTest(absltest.TestCase):
+    """`OneTraceSaver(background=True)` on variables on a ps and the chief."""
+
+    def _saver(self, directory):
+        strategy = testutil.strategy(2, replicas_to_aggregate=2)
+        with strategy.scope():
+            model = testutil.dense_model()
+        checkpoint = tf.train.Checkpoint(model=model)
+        saver = saver_lib.OneTraceSaver(
+            checkpoint, directory, 3, background=True
+        )
+        saver.prepare()
+        return model, saver
+
+    def _weights(self, path):
+        restored = testutil.dense_model()
+        tf.train.Checkpoint(model=restored).restore(path).expect_partial()
+        return restored.get_weights()
+
+    def test_a_save_holds_the_state_at_its_copy_not_at_its_write(self):
+        directory = tempfile.mkdtemp()
+        model, saver = self._saver(directory)
+        real = checkpoints_internals.call_with_captures
+        copied = threading.Event()
+
+        def late(*args):  # the write runs after the training moved on
+            copied.wait(30)
+            return real(*args)
+
+        kernel = model.weights[0]
+        kernel.assign(tf.fill(kernel.shape, 1.0))
+        with mock.patch.object(
+            checkpoints_internals, "call_with_captures", late
+        ):
+            path = saver.save("0_4")
+            kernel.assign(tf.fill(kernel.shape, 2.0))  # training goes on
+            self.assertIsNone(tf.train.latest_checkpoint(directory))
+            copied.set()
+            saver.wait()
+        self.assertEqual(tf.train.latest_checkpoint(directory), path)
+        np.testing.assert_array_equal(self._weights(path)[0], 1.0)
+        kernel.assign(tf.fill(kernel.shape, 3.0))
+        np.testing.assert_array_equal(self._weights(saver.save(1))[0], 3.0)
+        saver.wait()
+        # One trace each, whatever the saves: no new function to register.
+        self.assertEqual(saver._write.experimental_get_tracing_count(), 1)
+        self.assertEqual(saver._copy.experimental_get_tracing_count(), 1)
+        # Each copy beside its variable: a ps copies what it holds.
+        for captured, snapshot in zip(
+            saver._concrete.captured_inputs, saver._captures
+        ):
+            self.assertEqual(captured.device, snapshot.device)
+        self.assertTrue(
+            any("/job:ps/" in c.device for c in saver._captures),
+            [c.device for c in saver._captures],
+        )
+
+    def test_a_failed_write_is_raised_and_leaves_the_save_before(self):
+        directory = tempfile.mkdtemp()
+        _, saver = self._saver(directory)
+        first = saver.save(1)
+        saver.wait()
+
+        def fail(*args):
+            raise OSError("disk full")
+
+        with mock.patch.object(
+            checkpoints_internals, "call_with_captures", fail
+        ):
+            saver.save(2)
+            with self.assertRaisesRegex(OSError, "disk full"):
+                saver.wait()
+        self.assertEqual(tf.train.latest_checkpoint(directory), first)
+        saver.wait()  # raised once
+
+
+class ResumeInsideAnEpochTest(parameterized.TestCase):
     """One cluster per process: both runs share it (see testutil)."""
 
     def _fit(self, strategy, initial, directory, **kwargs):
@@ -114,7 +199,10 @@ class ResumeInsideAnEpochTest(absltest.TestCase):
         )
         return model, steps
 
-    def test_a_run_resumed_inside_an_epoch_ends_as_the_whole_run(self):
+    @parameterized.named_parameters(("", False), ("background", True))
+    def test_a_run_resumed_inside_an_epoch_ends_as_the_whole_run(
+        self, background
+    ):
         # One batch repeated: each update is the mean of two equal
         # gradients, whichever workers push them; every 2 steps (pushes)
         # one update.
@@ -122,7 +210,9 @@ class ResumeInsideAnEpochTest(absltest.TestCase):
         with strategy.scope():
             initial = testutil.dense_model().get_weights()
         whole_dir = tempfile.mkdtemp()
-        whole, steps = self._fit(strategy, initial, whole_dir, every_steps=4)
+        whole, steps = self._fit(
+            strategy, initial, whole_dir, every_steps=4, background=background
+        )
         self.assertEqual(
             _saves(whole_dir),
             ["ckpt-0_4", "ckpt-1", "ckpt-1_4", "ckpt-2"],
@@ -146,7 +236,11 @@ class ResumeInsideAnEpochTest(absltest.TestCase):
         # A restart after ckpt-1_4: only it is in the directory.
         resumed_dir = testutil.only_save(whole_dir, "ckpt-1_4")
         resumed, steps = self._fit(
-            strategy, initial, resumed_dir, every_steps=4
+            strategy,
+            initial,
+            resumed_dir,
+            every_steps=4,
+            background=background,
         )
         self.assertEqual(steps.calls, [(1, 5), (1, 7)])  # epoch 1's last 4
         # Planned: the 4 steps left (not lifted, nor a whole epoch more).

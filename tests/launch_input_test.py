@@ -246,6 +246,13 @@ class BadInputTest(parameterized.TestCase):
             [arg], f"{name}={shown}: needs --checkpoint_dir (where to save)."
         )
 
+    def test_background_saves_without_a_directory(self):
+        self._check_refused(
+            ["--checkpoint_in_background"],
+            "--checkpoint_in_background: needs --checkpoint_dir (where to "
+            "save).",
+        )
+
     def test_more_total_replicas_than_the_local_workers(self):
         self._check_refused(
             ["--local_cluster=2,1", "--total_num_replicas=3"],

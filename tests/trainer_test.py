@@ -166,6 +166,11 @@ class TrainerTest(parameterized.TestCase):
                 "save). Received: checkpoint_every_seconds=30, "
                 "checkpoint_dir=None",
             ),
+            (
+                {"checkpoint_in_background": 1, "checkpoint_dir": "/tmp/x"},
+                "`checkpoint_in_background` must be True or False. "
+                "Received: checkpoint_in_background=1",
+            ),
         ):
             with self.assertRaisesWithLiteralMatch(ValueError, line):
                 _trainer(_parts(), 4, **kwargs)
@@ -719,7 +724,8 @@ class TrainerTest(parameterized.TestCase):
             1e-6,
         )
 
-    def test_resume_inside_an_epoch_is_exact(self):
+    @parameterized.named_parameters(("", False), ("background", True))
+    def test_resume_inside_an_epoch_is_exact(self, background):
         whole_dir = tempfile.mkdtemp()
         strategy, model, optimizer = _parts()
         _trainer(
@@ -728,6 +734,7 @@ class TrainerTest(parameterized.TestCase):
             checkpoint_dir=whole_dir,
             checkpoint_every_steps=4,
             max_to_keep=10,
+            checkpoint_in_background=background,
         ).train(_dataset_fn, epochs=2, steps_per_epoch=8)
         uninterrupted = model.get_weights()
         state = tf.train.get_checkpoint_state(whole_dir)
@@ -743,6 +750,7 @@ class TrainerTest(parameterized.TestCase):
             2,
             checkpoint_dir=directory,
             checkpoint_every_steps=4,
+            checkpoint_in_background=background,
         ).train(_dataset_fn, epochs=2, steps_per_epoch=8)
         self.assertLen(history.history["loss"], 1)  # epoch 2's last 4 steps
         self.assertEqual(int(optimizer.iterations.numpy()), 8)

@@ -1,5 +1,6 @@
-"""Checkpoints: the one-trace saver, checks before a restore, the sync
-counters beside each save, and an evaluator that follows the saves.
+"""Checkpoints: the save cadence, checks before a restore, the sync
+counters beside each save, and an evaluator that follows the saves (the
+saver itself: `saver.OneTraceSaver`).
 
 `fit`'s callback (`fit_checkpoint.SyncCheckpoint`) and `Trainer` save
 `tf.train.Checkpoint(model=..., optimizer=...)` as `<dir>/ckpt-<epochs>`
@@ -18,7 +19,6 @@ import os
 import time
 
 import tensorflow as tf
-import tf_keras
 from absl import logging
 
 from tf2sync._src import callbacks as callbacks_lib
@@ -264,13 +264,20 @@ def _aggregator_of(checkpoint):
         return None
 
 
-def save_sync_totals(checkpoint, path: str) -> None:
-    """Writes the counters of `checkpoint`'s SyncOptimizer beside `path`,
-    so that a resume goes on counting (`restore_sync_totals`)."""
+def sync_totals(checkpoint):
+    """The counters of `checkpoint`'s SyncOptimizer now (a dict), or None."""
     aggregator = _aggregator_of(checkpoint)
-    if aggregator is None:
+    return None if aggregator is None else aggregator.totals()
+
+
+def save_sync_totals(checkpoint, path: str, totals=None) -> None:
+    """Writes the counters of `checkpoint`'s SyncOptimizer (or `totals`,
+    read earlier by `sync_totals`) beside `path`, so that a resume goes on
+    counting (`restore_sync_totals`)."""
+    if totals is None:
+        totals = sync_totals(checkpoint)
+    if totals is None:
         return
-    totals = aggregator.totals()
     temporary = path + _TOTALS + ".tmp"  # a reader never sees half a file
     with tf.io.gfile.GFile(temporary, "w") as f:
         f.write(json.dumps(totals))
@@ -349,135 +356,22 @@ def evaluate_checkpoints(
 
 
 def _epoch_ends(directory, timeout, done):
-    """Each epoch's end save not in `done` (added as yielded), oldest
-    first, as saves come: a newer save inside an epoch does not hide the
-    epoch's end before it (`checkpoints_iterator` yields the newest)."""
+    """The newest epoch's-end save each time saves come, when newer than
+    every one yielded (each added to `done`): an evaluator that falls
+    behind goes to the newest, as `checkpoints_iterator` does, and a save
+    inside an epoch (`checkpoints_iterator`'s newest) does not hide the
+    epoch's end before it."""
     for newest in tf.train.checkpoints_iterator(directory, timeout=timeout):
         state = tf.train.get_checkpoint_state(directory)
         paths = list(state.all_model_checkpoint_paths) if state else []
-        for path in paths + [newest]:
-            path = os.path.join(directory, os.path.basename(path))
-            if position_of(path)[1] == 0 and path not in done:
-                done.add(path)
-                yield path
-
-
-class OneTraceSaver:
-    """`tf.train.CheckpointManager.save`, through one traced function.
-
-    TensorFlow writes a checkpoint whose variables live on several tasks
-    (the parameter servers and the chief) through a `tf.function` it traces
-    anew at every save, and the chief registers every new function with
-    every task of the cluster, waiting for each to answer: while a worker is
-    frozen, each save would wait for it (and so would the epoch). This
-    saver traces `tf.train.Checkpoint.write` once, with the path as an
-    argument, and again only when the checkpoint's variables change; a
-    function already registered runs on the parameter servers and the chief
-    only. It keeps the files as a `tf.train.CheckpointManager` with the same
-    arguments does: `<name>-<number>` in `directory`, the `checkpoint` state
-    file (relative paths; `tf.train.latest_checkpoint` and a new manager
-    read it) and the `max_to_keep` newest.
-    """
-
-    def __init__(self, checkpoint, directory, max_to_keep, name="ckpt"):
-        self._checkpoint = checkpoint
-        self._directory = directory
-        self._max_to_keep = max_to_keep
-        self._name = name
-        self._write = None
-        self._variables = None
-
-    def prepare(self) -> None:
-        """Traces the save now, for the variables that exist now.
-
-        Call it before training (with every optimizer variable built), while
-        every task answers: the first save then registers nothing new.
-        """
-        self._function()
-
-    def _function(self):
-        checkpoint = self._checkpoint
-        variables = _variable_ids(checkpoint)  # save_counter included
-        if self._write is None or variables != self._variables:
-            self._write = tf.function(checkpoint.write, autograph=False)
-            self._write.get_concrete_function(tf.TensorSpec([], tf.string))
-            self._variables = variables
-        return self._write
-
-    def save(self, checkpoint_number) -> str:
-        """Writes checkpoint `<name>-<checkpoint_number>` (an int, or a
-        string such as `SyncCheckpoint`'s `3_120`); returns its path."""
-        # Counted as the manager counts saves (restores expect it saved).
-        self._checkpoint.save_counter.assign_add(1)
-        write = self._function()
-        directory = self._directory
-        tf.io.gfile.makedirs(directory)
-        path = os.path.join(directory, f"{self._name}-{checkpoint_number}")
-        write(tf.constant(path))
-        save_sync_totals(self._checkpoint, path)
-        self._record(directory, path)
-        return path
-
-    def _record(self, directory, path):
-        """The state file lists `path` last, with the manager's timestamps;
-        checkpoints past `max_to_keep` are deleted."""
-        now = time.time()
-        state = tf.train.get_checkpoint_state(directory)
-        name = os.path.basename(path)
-        kept = []  # (basename, timestamp)
-        preserved = now - 1.0  # as a manager creating the directory
-        if state is not None:
-            preserved = state.last_preserved_timestamp
-            stamps = list(state.all_model_checkpoint_timestamps)
-            stamps += [preserved] * (
-                len(state.all_model_checkpoint_paths) - len(stamps)
-            )
-            kept = [
-                (os.path.basename(p), t)
-                for p, t in zip(state.all_model_checkpoint_paths, stamps)
-                if os.path.basename(p) != name
-            ]
-        kept.append((name, now))
-        keep = self._max_to_keep
-        dropped = []
-        if keep is not None and keep > 0:
-            dropped, kept = kept[:-keep], kept[-keep:]
-        lines = [f'model_checkpoint_path: "{name}"']
-        lines += [f'all_model_checkpoint_paths: "{p}"' for p, _ in kept]
-        lines += [f"all_model_checkpoint_timestamps: {t!r}" for _, t in kept]
-        lines.append(f"last_preserved_timestamp: {preserved!r}")
-        temporary = os.path.join(directory, "checkpoint.tmp")
-        with tf.io.gfile.GFile(temporary, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        tf.io.gfile.rename(
-            temporary, os.path.join(directory, "checkpoint"), True
-        )
-        for old, _ in dropped:  # after the state file no longer names them
-            pattern = os.path.join(directory, old) + ".*"
-            for file in tf.io.gfile.glob(pattern):
-                tf.io.gfile.remove(file)
-
-
-def _variable_ids(checkpoint) -> frozenset:
-    """The ids of every variable `checkpoint` saves.
-
-    An optimizer's slots are saved beside their variables, not as its
-    children, so each optimizer's own list of variables is added.
-    """
-    checkpoint.save_counter  # noqa: B018 - created on first read
-    ids = set()
-    for t in tf.train.TrackableView(checkpoint).descendants():
-        if isinstance(t, tf.Variable):
-            ids.add(id(t))
-        elif isinstance(t, _OPTIMIZERS):
-            variables = t.variables
-            for v in variables() if callable(variables) else variables:
-                ids.add(id(v))
-    return frozenset(ids)
-
-
-_OPTIMIZERS = (
-    tf.compat.v1.train.Optimizer,
-    tf_keras.optimizers.Optimizer,
-    tf_keras.optimizers.legacy.Optimizer,
-)
+        ends = [
+            os.path.join(directory, os.path.basename(path))
+            for path in paths + [newest]
+            if position_of(path)[1] == 0
+        ]
+        if not ends:
+            continue
+        path = max(ends, key=_epoch_of)
+        if all(_epoch_of(path) > _epoch_of(old) for old in done):
+            done.add(path)
+            yield path

@@ -9,6 +9,7 @@ from absl import logging
 
 from tf2sync._src import callbacks as callbacks_lib
 from tf2sync._src import checkpointing
+from tf2sync._src import saver as saver_lib
 from tf2sync._src.internals import cluster_coordinator
 from tf2sync._src.internals import keras_training
 
@@ -26,7 +27,7 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
          checkpoint in `directory` (if any) is restored into model and
          optimizer (weights, global step, slots, the sync counters), and
          the save function is traced (once: a frozen worker cannot delay
-         a save, see `checkpointing.OneTraceSaver`).
+         a save, see `saver.OneTraceSaver`).
       2. `fit` then starts at the saved position: the epoch the checkpoint
          was in, at the step after the last one it holds (tf_keras's own
          resume hook, the one `BackupAndRestore` sets). An epoch resumed
@@ -54,6 +55,12 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
     an epoch's end). What a save inside an epoch costs is a join: workers
     idle from their last step until the write ends (docs/performance.md).
 
+    With `background=True` the write leaves the training path: after the
+    join each task copies the variables it holds into a snapshot beside
+    them, training goes on, and a thread writes the snapshot (one write at
+    a time; `fit` returns once the last is written). The guarantees above
+    hold; every task holds a second copy of its saved variables.
+
     Args:
       directory: Where checkpoints are written and resumed from.
       every_steps: Also save after this many steps of an epoch; None:
@@ -62,11 +69,13 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
         last save (checked after each scheduled function); None: not by
         time.
       max_to_keep: Saves kept (the oldest are deleted).
+      background: Write each save from a snapshot while training goes on
+        (see above), at the cost of a second copy of the variables.
 
     Raises:
       ValueError: If `every_steps` is not None or a positive int,
         `every_seconds` not None or a positive finite number, or
-        `max_to_keep` not a positive int.
+        `max_to_keep` not a positive int, or `background` not a bool.
     """
 
     def __init__(
@@ -76,6 +85,7 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
         every_steps: int | None = None,
         every_seconds: float | None = None,
         max_to_keep: int = 3,
+        background: bool = False,
     ):
         super().__init__()
         # Its batch hook reads no logs: fit under PSS allows it (it
@@ -92,7 +102,13 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
                 "`max_to_keep` must be an int > 0. Received: "
                 f"max_to_keep={max_to_keep!r}"
             )
+        if not isinstance(background, bool):
+            raise ValueError(
+                "`background` must be True or False. Received: "
+                f"background={background!r}"
+            )
         self.directory = str(directory)
+        self.background = background
         self.every_steps = every_steps
         self.every_seconds = every_seconds
         self._cadence = checkpointing.Cadence(every_steps, every_seconds)
@@ -116,8 +132,11 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
             self._checkpoint = tf.train.Checkpoint(
                 model=model, optimizer=model.optimizer
             )
-            self._saver = checkpointing.OneTraceSaver(
-                self._checkpoint, self.directory, self.max_to_keep
+            self._saver = saver_lib.OneTraceSaver(
+                self._checkpoint,
+                self.directory,
+                self.max_to_keep,
+                background=self.background,
             )
         return self._checkpoint
 
@@ -137,6 +156,11 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         model = self.model
+        if self._saver is not None:  # a write an interrupted fit left
+            try:
+                self._saver.wait()
+            except Exception as error:  # noqa: BLE001 - the save before it stays
+                logging.warning("tf2sync: the last save failed: %s", error)
         self._prepare_checkpoint()
         try:
             sync = callbacks_lib.find_sync_optimizer(model.optimizer)
@@ -174,6 +198,7 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         keras_training.set_fit_resume(self.model, None)
+        self._saver.wait()  # the last background write, if any
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch

@@ -14,6 +14,7 @@ from tf2sync._src import checkpointing
 from tf2sync._src import data_service
 from tf2sync._src import loops
 from tf2sync._src import options as options_lib
+from tf2sync._src import saver as saver_lib
 from tf2sync._src import trainer_checks as checks
 from tf2sync._src import trainer_epochs
 from tf2sync._src import trainer_sync
@@ -71,6 +72,7 @@ class Trainer(trainer_epochs.EpochsMixin):
         max_to_keep: int = 3,
         checkpoint_every_steps: int | None = None,
         checkpoint_every_seconds: float | None = None,
+        checkpoint_in_background: bool = False,
         callbacks=(),
         verbose: int | str = "auto",
         options: options_lib.SyncOptions | None = None,
@@ -121,6 +123,10 @@ class Trainer(trainer_epochs.EpochsMixin):
             passed since the last save (checked as each function is
             scheduled). Neither is used for a `ServicePassPerEpoch`'s
             epochs, which end with their pass.
+          checkpoint_in_background: Write each save from a copy of the
+            variables made on their own tasks, while training goes on (a
+            second copy of every saved variable; `train` returns once the
+            last save is written). See `tf2sync.SyncCheckpoint`.
           callbacks: `tf.keras.callbacks.Callback`s (or one).
           verbose: "auto", 0, 1 (progress bar) or 2 (one line per epoch).
           options: A `tf2sync.SyncOptions` for this trainer's loop; None
@@ -138,7 +144,7 @@ class Trainer(trainer_epochs.EpochsMixin):
             later `SyncOptimizer` replaced `optimizer`, or `checkpoint_dir`
             is a file or cannot be written or created, or a
             `checkpoint_every_*` is not None nor > 0, or is given without
-            `checkpoint_dir`.
+            `checkpoint_dir`, or `checkpoint_in_background` is not a bool.
         """
         checks.loop_arguments(steps_per_loop, use_tf_while_loop)
         self.options = checks.checked_options(strategy, options)
@@ -152,6 +158,7 @@ class Trainer(trainer_epochs.EpochsMixin):
         self._cadence = checks.checkpoint_cadence(
             checkpoint_dir, checkpoint_every_steps, checkpoint_every_seconds
         )
+        checks.flag("checkpoint_in_background", checkpoint_in_background)
         self.strategy = strategy
         self.model = model
         self.optimizer = optimizer
@@ -172,8 +179,11 @@ class Trainer(trainer_epochs.EpochsMixin):
         self._manager = self._checkpoint_manager(checkpoint_dir, max_to_keep)
         self._saver = None
         if self._manager:  # one traced save (see `OneTraceSaver`)
-            self._saver = checkpointing.OneTraceSaver(
-                self._manager.checkpoint, checkpoint_dir, max_to_keep
+            self._saver = saver_lib.OneTraceSaver(
+                self._manager.checkpoint,
+                checkpoint_dir,
+                max_to_keep,
+                background=checkpoint_in_background,
             )
 
     def _checkpoint_manager(self, checkpoint_dir, max_to_keep):
@@ -262,6 +272,8 @@ class Trainer(trainer_epochs.EpochsMixin):
             checks.dataset_fn(dataset_fn)
         checks.steps_per_epoch(steps_per_epoch, service, self._sync.tf1_order)
         checks.epochs(epochs)
+        if self._saver:  # a write an interrupted `train` left
+            self._saver.wait()
         first_step = self._restore_latest_checkpoint()
         if self._saver:  # traced while every task answers
             self._saver.prepare()
@@ -327,6 +339,8 @@ class Trainer(trainer_epochs.EpochsMixin):
             self._end_epoch(epoch, epochs, logs)
             if self.model.stop_training:
                 break
+        if self._saver:
+            self._saver.wait()  # the last background write, if any
         callback_list.on_train_end()
         self._sync.end()
         return history

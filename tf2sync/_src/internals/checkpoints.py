@@ -86,3 +86,11 @@ def one_view_per_slot(optimizer):
         return views.setdefault(key, slot)
 
     return one_view
+
+
+def call_with_captures(concrete, args, captures):
+    """Runs `concrete` (a `ConcreteFunction`) on `args`, with `captures` in
+    place of the tensors it captured (`concrete.captured_inputs`, in their
+    order): the same function, already registered with every task, reading
+    other variables of the same dtypes and shapes on the same devices."""
+    return concrete._call_flat(list(args), list(captures))  # noqa: SLF001

@@ -40,6 +40,7 @@ class ChiefConfig:
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int | None = None
     checkpoint_every_s: float | None = None
+    checkpoint_in_background: bool = False
     model_log_dir: str | None = None
     verbose_sync_metrics: bool = False
     ps_restart_timeout: float = 300.0
@@ -286,8 +287,15 @@ def _train_once(resolver, job, config: ChiefConfig):
     total = config.total_num_replicas or max(num_workers, rta)
     steps, per_function = epoch_plan(job, config, num_workers)
     config = dataclasses.replace(config, steps_per_execution=per_function)
+    began = time.monotonic()
     strategy = _strategy(resolver, config, rta, total)
+    connected = time.monotonic()
     model, optimizer = _compiled_model(strategy, job, config, rta, total)
+    logging.info(
+        "tf2sync: connected to the cluster in %.1f s; model built in %.1f s.",
+        connected - began,
+        time.monotonic() - connected,
+    )
     _print_plan(config, num_workers, len(spec["ps"]), rta, total, steps)
     _print_shards(model)
     sync = trainer_sync.of(optimizer, model.optimizer.iterations)
@@ -476,6 +484,7 @@ def _callbacks(config: ChiefConfig, sync):
                 config.checkpoint_dir,
                 every_steps=config.checkpoint_every_steps,
                 every_seconds=config.checkpoint_every_s,
+                background=config.checkpoint_in_background,
             )
         )
     if config.model_log_dir:

@@ -209,9 +209,12 @@ def _listening_key(address: str) -> tuple:
     return host, int(port)
 
 
-def check_checkpoint_every(every_s, every_steps, directory) -> None:
+def check_checkpoint_every(
+    every_s, every_steps, directory, background=False
+) -> None:
     """Refuses --checkpoint_every_s that is not a finite number > 0, and
-    either cadence without --checkpoint_dir (nowhere to save)."""
+    either cadence or --checkpoint_in_background without --checkpoint_dir
+    (nowhere to save)."""
     if every_s is not None and not 0 < every_s < math.inf:
         _refuse(
             f"--checkpoint_every_s={every_s!r}: must be a finite number > 0."
@@ -224,6 +227,11 @@ def check_checkpoint_every(every_s, every_steps, directory) -> None:
             _refuse(
                 f"--{name}={value:g}: needs --checkpoint_dir (where to save)."
             )
+    if background and not directory:
+        _refuse(
+            "--checkpoint_in_background: needs --checkpoint_dir (where to "
+            "save)."
+        )
 
 
 def check_resume(build_model, directory, epochs, evaluator) -> None:

@@ -198,6 +198,13 @@ CHECKPOINT_EVERY_S = flags.DEFINE_float(
     "Chief: also save when this many seconds passed since the last save "
     "(checked after each scheduled function; needs --checkpoint_dir).",
 )
+CHECKPOINT_IN_BACKGROUND = flags.DEFINE_bool(
+    "checkpoint_in_background",
+    False,
+    "Chief: each save copies the variables on their own tasks and is "
+    "written while training goes on (a second copy of every variable on "
+    "each ps; needs --checkpoint_dir).",
+)
 MODEL_LOG_DIR = flags.DEFINE_string(
     "model_log_dir",
     None,

@@ -129,6 +129,7 @@ def check_input():
         launch_flags.CHECKPOINT_EVERY_S.value,
         launch_flags.CHECKPOINT_EVERY_STEPS.value,
         launch_flags.CHECKPOINT_DIR.value,
+        launch_flags.CHECKPOINT_IN_BACKGROUND.value,
     )
     flag_checks.check_non_negative(
         {
@@ -448,6 +449,7 @@ def chief_config():
         checkpoint_dir=launch_flags.CHECKPOINT_DIR.value,
         checkpoint_every_steps=launch_flags.CHECKPOINT_EVERY_STEPS.value,
         checkpoint_every_s=launch_flags.CHECKPOINT_EVERY_S.value,
+        checkpoint_in_background=launch_flags.CHECKPOINT_IN_BACKGROUND.value,
         model_log_dir=launch_flags.MODEL_LOG_DIR.value,
         verbose_sync_metrics=launch_flags.VERBOSE_SYNC_METRICS.value,
         ps_restart_timeout=launch_flags.PS_RESTART_TIMEOUT.value,
