@@ -38,6 +38,14 @@ def table(header, rows):
     return lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
 
 
+def columns(columns, rows):
+    """A (header, rows) table of `columns`: (header, key, format or None)."""
+    return [name for name, _, _ in columns], [
+        [r[k] if spec is None else fmt(r[k], spec) for _, k, spec in columns]
+        for r in rows
+    ]
+
+
 def lines(blocks):
     """Markdown lines of a section's blocks (see the module docstring)."""
     out = []
