@@ -446,46 +446,6 @@ def sharding_targets(records):
     return rows
 
 
-_ = None  # in a base cell: the row's own
-# The sharding section's throughput tables: (heading and text, the cells
-# (workload, system, ps, shards), the columns before the runs' (a format
-# of the cell, or a function of it), {column: the cell each is divided by}).
-SHARDING_TABLES = (
-    (
-        ["### w4 throughput (2 workers + 2 ps)"],
-        [("w4", c, 2, 2) for c in SHARDING_SYSTEMS],
-        {"system": "`{1}`"},
-        {
-            f"vs {b}": (_, b, _, _)
-            for b in ("tf1_sync", "pss_async_unrolled", "pss_async")
-        },
-    ),
-    (
-        [
-            "### w3 on 2 ps against 1 ps",
-            "w3 in 2 shards on the 2-ps cluster against whole on 1 ps, "
-            "in the same rounds.",
-        ],
-        [("w3", c, ps, ps) for c in LOOP_AND_STOCK for ps in (1, 2)],
-        {
-            "system": "`{1}`",
-            "ps": "{2}",
-            "partitioned": lambda w, c, ps, n: (
-                f"{n} shards" * (n > 1) or "none"
-            ),
-        },
-        {"vs 1 ps": (_, _, 1, 1)},
-    ),
-    (
-        [
-            "### Whole variables round robin over 2 ps",
-            "No partitioner: each variable whole on one of the 2 ps.",
-        ],
-        [(w, c, 2, 1) for w in ("w1", "w3") for c in LOOP_AND_STOCK],
-        {"workload": "{0}", "system": "`{1}`"},
-        {"vs pss_async_unrolled": (_, "pss_async_unrolled", _, _)},
-    ),
-)
 SHARDING_MEMORY_COLUMNS = (
     ("system", "system", None),
     ("workload", "label", None),
@@ -500,45 +460,63 @@ SHARDING_MEMORY_COLUMNS = (
 )
 
 
-def _lead(column, cell):
-    return column.format(*cell) if isinstance(column, str) else column(*cell)
-
-
 def sharding_section(records):
     found = sharding_rates(records)
     failed = tables.errors(records, "sharding")
     if not found and not failed:
         return []
     cpu = sharding_rates(records, "cpu_us_per_example")
-    rows_w4 = next(
-        (
-            r.get("rows")
-            for r in tables.runs(records, "sharding")
-            if r["workload"] == "w4"
-        ),
-        None,
-    )
+    w4 = [r for r in tables.runs(records, "sharding") if r["workload"] == "w4"]
+    rows = fmt(w4[0].get("rows") if w4 else None, ",")
     blocks = [
-        f"w4: Embedding {fmt(rows_w4, ',')} x 32, 2 workers and 2 ps, "
-        "every variable of rank >= 1 in 2 shards, one per ps; see "
-        "docs/benchmarks.md#sharding.",
+        f"w4: Embedding {rows} x 32, 2 workers and 2 ps, every variable of "
+        "rank >= 1 in 2 shards, one per ps; see docs/benchmarks.md#sharding.",
+        "### w4 throughput (2 workers + 2 ps)",
     ]
-    for i, (text, cells, lead, bases) in enumerate(SHARDING_TABLES):
-        rows = []
-        for cell in (c for c in cells if found.get(c)):
-            mid = median(found[cell])
-            row = [_lead(column, cell) for column in lead.values()]
-            row += tables.spread(found[cell])
-            for base in bases.values():
-                base = tuple(c if b is None else b for b, c in zip(base, cell))
-                row.append(fmt(ratio(mid, median(found.get(base))), ".2f"))
-            rows.append(row + [fmt(median(cpu.get(cell)), ".1f")])
-        if i == 0:  # the w4 table, with the failures
-            rows += [tables.error_row(r) for r in failed]
-        elif not rows:
-            continue
-        header = [*lead, "median ex/s", "min - max", "runs", *bases]
-        blocks += [*text, (header + ["CPU us / ex"], rows)]
+    _ = None  # in a base cell: the row's own
+    vs = ("tf1_sync", "pss_async_unrolled", "pss_async")
+    header, rows = tables.throughput(
+        found,
+        cpu,
+        [("w4", c, 2, 2) for c in SHARDING_SYSTEMS],
+        ["system"],
+        lambda w, c, ps, n: [f"`{c}`"],
+        {f"vs {b}": (_, b, _, _) for b in vs},
+    )
+    blocks.append((header, rows + [tables.error_row(r) for r in failed]))
+    w3 = tables.throughput(
+        found,
+        cpu,
+        [("w3", c, ps, ps) for c in LOOP_AND_STOCK for ps in (1, 2)],
+        ["system", "ps", "partitioned"],
+        lambda w, c, ps, n: [
+            f"`{c}`",
+            str(ps),
+            f"{n} shards" * (n > 1) or "none",
+        ],
+        {"vs 1 ps": (_, _, 1, 1)},
+    )
+    if w3[1]:
+        blocks += [
+            "### w3 on 2 ps against 1 ps",
+            "w3 in 2 shards on the 2-ps cluster against whole on 1 ps, "
+            "in the same rounds.",
+            w3,
+        ]
+    rr = tables.throughput(
+        found,
+        cpu,
+        [(w, c, 2, 1) for w in ("w1", "w3") for c in LOOP_AND_STOCK],
+        ["workload", "system"],
+        lambda w, c, ps, n: [w, f"`{c}`"],
+        {"vs pss_async_unrolled": (_, "pss_async_unrolled", _, _)},
+    )
+    if rr[1]:
+        blocks += [
+            "### Whole variables round robin over 2 ps",
+            "No partitioner: each variable whole on one of the 2 ps.",
+            rr,
+        ]
     memory = sharding_memory(records)
     if memory:
         blocks += [

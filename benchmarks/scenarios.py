@@ -187,25 +187,23 @@ def main_section(records):
     found = tables.rates(records, "main")
     cpu = tables.rates(records, "main", "cpu_us_per_example")
     blocks = []
-    header = ["system", "median ex/s", "min - max", "runs", "vs tf1_sync"]
-    header += ["vs pss_async", "CPU us / ex"]
     for workload in WORKLOADS:
         failed = tables.errors(records, "main")
         failed = [r for r in failed if r["workload"] == workload]
         systems = [s for s in SYSTEMS if (workload, s) in found]
         if not systems and not failed:
             continue
-        mid = {s: median(found.get((workload, s))) for s in SYSTEMS}
-        rows = [
-            [
-                f"`{system}`",
-                *tables.spread(found[(workload, system)]),
-                fmt(ratio(mid[system], mid["tf1_sync"]), ".2f"),
-                fmt(ratio(mid[system], mid["pss_async"]), ".2f"),
-                fmt(median(cpu.get((workload, system))), ".1f"),
-            ]
-            for system in systems
-        ]
+        header, rows = tables.throughput(
+            found,
+            cpu,
+            [(workload, system) for system in systems],
+            ["system"],
+            lambda w, system: [f"`{system}`"],
+            {
+                "vs tf1_sync": (None, "tf1_sync"),
+                "vs pss_async": (None, "pss_async"),
+            },
+        )
         rows += [tables.error_row(r) for r in failed]
         blocks += [f"### {workload}: {WORKLOAD_TEXT[workload]}", (header, rows)]
     if blocks:
