@@ -287,10 +287,15 @@ def _inject(kind, run, rng, settings):
     """Injects one fault of `kind`; returns once the harness's part is done."""
     delay = settings["restart_delay"]
     index = rng.randrange(run.num_workers)
-    if kind == "worker_kill":
-        run.tasks.kill("worker", index)
+    if kind == "ps_kill":
+        num_ps = settings["num_ps"]
+        index = rng.randrange(num_ps) if num_ps > 1 else 0
+        print(f"  ps {index} of {num_ps}", flush=True)
+    if kind in ("worker_kill", "ps_kill"):
+        job = kind.removesuffix("_kill")
+        run.tasks.kill(job, index)
         time.sleep(delay)
-        run.tasks.restart("worker", index)
+        run.tasks.restart(job, index)
     elif kind == "worker_freeze":
         process = run.tasks.processes[("worker", index)]
         process.send_signal(signal.SIGSTOP)
@@ -298,13 +303,6 @@ def _inject(kind, run, rng, settings):
             time.sleep(settings["freeze_seconds"])
         finally:
             process.send_signal(signal.SIGCONT)
-    elif kind == "ps_kill":
-        num_ps = settings["num_ps"]
-        ps = rng.randrange(num_ps) if num_ps > 1 else 0
-        print(f"  ps {ps} of {num_ps}", flush=True)
-        run.tasks.kill("ps", ps)
-        time.sleep(delay)
-        run.tasks.restart("ps", ps)
     elif kind == "chief_kill":
         procutil.kill(run.chief)
         time.sleep(delay)
@@ -315,9 +313,8 @@ def _inject(kind, run, rng, settings):
 
 def _target(rng, epoch, per_epoch):
     """A random global step inside `epoch` (1-based)."""
-    return (epoch - 1) * per_epoch + max(
-        1, round(rng.uniform(0.1, 0.9) * per_epoch)
-    )
+    inside = max(1, round(rng.uniform(0.1, 0.9) * per_epoch))
+    return (epoch - 1) * per_epoch + inside
 
 
 def _cluster_run(fault, settings, rng):
