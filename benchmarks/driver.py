@@ -167,12 +167,10 @@ class Bench:
         tasks = []
         for job, count in (("ps", ps), ("worker", workers)):
             for i in range(count):
-                devices = self.worker_device_env(i) if job == "worker" else {}
-                task_env = {
-                    "CUDA_VISIBLE_DEVICES": "",
-                    **devices,
-                    **(env or {}),
-                }
+                devices = {"CUDA_VISIBLE_DEVICES": ""}  # a ps: CPU only
+                if job == "worker":
+                    devices = self.worker_device_env(i)
+                task_env = {**devices, **(env or {})}
                 args = [f"--job_name={job}", f"--task_index={i}", *hosts]
                 argv = [sys.executable, "-m", "tf2sync", *args]
                 tasks.append(
