@@ -96,14 +96,8 @@ def scenario_memory(bench, workload="w3"):
     functions = min(s.functions[workload], MEMORY_FUNCTIONS)
     for repeat, cell in itertools.product(range(s.memory_repeats), cells):
         system, n, cell_workload, kind = cell
-        base = bench.base(
-            "memory",
-            functions,
-            workload=cell_workload,
-            workers=n,
-            optimizer=kind,
-        )
-        base["repeat"] = repeat
+        fields = {"workload": cell_workload, "workers": n, "optimizer": kind}
+        base = {**bench.base("memory", functions, **fields), "repeat": repeat}
         name = f"memory_{system}_{kind}_{cell_workload}_{n}w"
         spec, tasks = bench.start_tasks(name, n, env=MEMORY_ENV)
         chief = bench.start_pss(name, n, spec=spec, optimizer=kind)
@@ -285,15 +279,10 @@ def memory_targets(records):
 
     def growth(system, workload="w3", kind=None):
         """State MB per added worker, from the fewest to the most."""
-        found = sorted(
-            (
-                c
-                for c in cells
-                if (c["system"], c["workload"]) == (system, workload)
-                and kind in (None, c["optimizer"])
-            ),
-            key=lambda c: c["workers"],
-        )
+        key = (system, workload)
+        found = [c for c in cells if kind in (None, c["optimizer"])]
+        found = [c for c in found if (c["system"], c["workload"]) == key]
+        found.sort(key=lambda c: c["workers"])
         added = found[-1]["workers"] - found[0]["workers"] if found else 0
         if added:
             return (found[-1]["state_mb"] - found[0]["state_mb"]) / added
