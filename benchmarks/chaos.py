@@ -222,6 +222,10 @@ class Run:
             )
         return self.started[-1]
 
+    def output(self, name):
+        with open(os.path.join(self.dir, f"{name}.out")) as f:
+            return f.read()
+
     def wait_step(self, target, deadline):
         """Waits until the step reaches `target`; False if the process
         started last ended (or the deadline passed) first."""
@@ -357,10 +361,7 @@ def _cluster_run(fault, settings, rng):
         while run.chief.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         run.progress.poll()
-        with open(
-            os.path.join(run.dir, f"chief{len(run.started) - 1}.out")
-        ) as f:
-            applied = _APPLIED.search(f.read())
+        applied = _APPLIED.search(run.output(f"chief{len(run.started) - 1}"))
         final = run.progress.path + ".final.npz"
         code = run.chief.poll()
         outcome.completed = (
@@ -401,15 +402,13 @@ def _launcher_run(settings, rng):
         launcher = run.start("launcher", "--local_cluster=2,1")
         target = _target(rng, rng.randint(1, epochs), per_epoch)
         run.wait_step(target, started + settings["run_timeout"])
-        with open(os.path.join(run.dir, "launcher.out")) as f:
-            match = _PIDS.search(f.read())
+        match = _PIDS.search(run.output("launcher"))
         pids = [int(p) for p in match.group(1).split(",")] if match else []
         if launcher.poll() is not None or not pids:
             outcome.note += "the launcher ended before the fault; "
         else:
-            print(
-                f"  launcher SIGKILL at step {run.progress.step()}", flush=True
-            )
+            step = run.progress.step()
+            print(f"  launcher SIGKILL at step {step}", flush=True)
             procutil.kill(launcher)
             time.sleep(5.0)
             outcome.left_behind = [p for p in pids if _running(p)]
