@@ -37,15 +37,15 @@ from absl import flags  # noqa: E402
 from tf2sync._src import cluster as cluster_lib  # noqa: E402
 
 median = tables.median
+_running = procutil.running
 
+_RESTARTED = "SIGKILL, restarted {delay:g} s later"
 FAULTS = {
     "none": "no fault (baseline)",
-    "worker_kill": "worker SIGKILL, restarted {delay:g} s later, no backup "
-    "(2 of 2)",
-    "worker_kill_backup": "worker SIGKILL, restarted {delay:g} s later, "
-    "1 backup (2 of 3)",
-    "ps_kill": "ps SIGKILL, restarted {delay:g} s later",
-    "chief_kill": "chief SIGKILL, restarted {delay:g} s later",
+    "worker_kill": f"worker {_RESTARTED}, no backup (2 of 2)",
+    "worker_kill_backup": f"worker {_RESTARTED}, 1 backup (2 of 3)",
+    "ps_kill": f"ps {_RESTARTED}",
+    "chief_kill": f"chief {_RESTARTED}",
     "worker_freeze": "worker SIGSTOP for {freeze:g} s, then SIGCONT (2 of 2)",
     "combined": "the four above in one run, one per epoch, the SIGSTOP "
     "({freeze:g} s) last",
@@ -59,22 +59,13 @@ _FLAGS = {
     "repeats": (3, 1, "Runs per fault."),
     "faults": (list(FAULTS), _SHORT_FAULTS, f"Of {', '.join(FAULTS)}."),
     "epochs": (3, 2, "Epochs per run."),
-    "steps_per_epoch": (
-        3000,
-        200,
-        "Pushes per epoch (3000: ~7 s on 2 cores, so that a task restarted "
-        "5 s after its fault comes back inside the run).",
-    ),
+    "steps_per_epoch": (3000, 200, "Pushes per epoch (3000: ~7 s on 2 cores)."),
     "steps_per_execution": (10, None, "Steps per scheduled function."),
     "num_ps": (1, None, "ps tasks (fault_job's variables round robin)."),
     "freeze_seconds": (240.0, None, "How long worker_freeze stops a worker."),
     "restart_delay": (5.0, None, "Seconds before a killed task restarts."),
     "worker_timeout": (10.0, None, "The chief's --worker_timeout."),
-    "checkpoint_every_s": (
-        0.0,
-        None,
-        "The chief's --checkpoint_every_s (0: saves at epoch ends only).",
-    ),
+    "checkpoint_every_s": (0.0, None, "The chief's (0: saves at epoch ends)."),
     "token_timeout": (-1.0, None, "The chief's --token_timeout (-1: its own)."),
     "run_timeout": (900.0, None, "Seconds before a run is abandoned."),
     "keep": (False, None, "Keep each run's directory."),
@@ -97,6 +88,9 @@ _SHORT = flags.DEFINE_boolean(
 
 _APPLIED = re.compile(r"sync_steps_applied=(\d+)")
 _PIDS = re.compile(r"local task pids=\[([\d, ]*)\]")
+# Averages of identical gradients are exact: a clean run matches its
+# reference bit for bit, while one update more moves a weight by 5e-5.
+_TOLERANCE = 1e-6
 
 
 @dataclasses.dataclass
@@ -119,23 +113,6 @@ class Outcome:
     note: str = ""
 
 
-_running = procutil.running
-
-
-def _kill_pids(pids):
-    """SIGKILLs each PID that still runs tf2sync; waits until gone."""
-    mine = []
-    for pid in pids:
-        with (
-            contextlib.suppress(OSError),
-            open(f"/proc/{pid}/cmdline", "rb") as f,
-        ):
-            mine += [pid] * (b"tf2sync" in f.read())
-    procutil.kill_pids(mine)
-    with contextlib.suppress(AssertionError):
-        procutil.wait_gone(pids, 30)
-
-
 class Progress:
     """Reads the chief's progress file (see `fault_job.Progress`)."""
 
@@ -154,11 +131,9 @@ class Progress:
         cut = text.rfind("\n") + 1
         self._offset += len(text[:cut].encode())
         for line in text[:cut].splitlines():
-            t, *rest = line.split()
-            if rest[0] in ("begin", "end"):
-                self.lines.append((float(t), rest[0]))
-            else:
-                self.lines.append((float(t), int(rest[0])))
+            t, value = line.split()[:2]
+            known = value in ("begin", "end")
+            self.lines.append((float(t), value if known else int(value)))
 
     def step(self):
         for _, value in reversed(self.lines):
@@ -200,12 +175,6 @@ def _reference(updates):
     return fault_job.reference_weights(updates, compiled=True)
 
 
-# Averages of identical gradients are exact: a clean run matches its
-# reference bit for bit (0.0 measured), while one update more moves a
-# weight by 5e-5 even after 4,500 updates, near convergence.
-_TOLERANCE = 1e-6
-
-
 def _off_trajectory(final_npz):
     """`(updates, largest weight difference to their reference)`."""
     with np.load(final_npz) as data:
@@ -217,104 +186,120 @@ def _off_trajectory(final_npz):
 
 
 class Run:
-    """One training run on a cluster of its own; `close` ends it by PID."""
+    """One training run: its directory, the progress its chief writes, the
+    `python -m tf2sync` processes it started (`close` ends them by PID)."""
 
-    def __init__(self, settings, num_workers, rta, epochs):
+    def __init__(self, settings, epochs):
         self.settings = settings
-        self.dir = tempfile.mkdtemp(prefix="tf2sync-chaos-")
-        self.spec = cluster_lib.cluster_spec_dict(
-            num_workers, settings["num_ps"]
-        )
-        self.num_workers = num_workers
-        self.rta = rta
         self.epochs = epochs
+        self.dir = tempfile.mkdtemp(prefix="tf2sync-chaos-")
         self.progress = Progress(os.path.join(self.dir, "progress"))
         self.env = dict(procutil.ENV, TF2SYNC_PROGRESS_FILE=self.progress.path)
-        self.chiefs = []
-        self.tasks = procutil.Tasks(self.spec)
+        self.started = []
+        self.tasks = None  # a cluster of task processes, if any
 
-    def chief_args(self):
+    def start(self, name, *args):
+        """Starts fault_job's chief or launcher; its output in `name`.out."""
         s = self.settings
         args = [
-            "--job_name=chief",
-            *procutil.host_flags(self.spec),
+            *args,
             "--job_module=fault_job",
             f"--epochs={self.epochs}",
             f"--steps_per_epoch={s['steps_per_epoch']}",
             f"--steps_per_execution={s['steps_per_execution']}",
             f"--learning_rate={fault_job.LEARNING_RATE}",
             f"--momentum={fault_job.MOMENTUM}",
-            f"--checkpoint_dir={os.path.join(self.dir, 'ckpt')}",
-            "--ps_restart_timeout=120",
         ]
-        if self.rta:
-            args += [
-                f"--replicas_to_aggregate={self.rta}",
-                f"--total_num_replicas={self.num_workers}",
-            ]
-        if s["token_timeout"] is not None:
-            args.append(f"--token_timeout={s['token_timeout']:g}")
-        if s["worker_timeout"] is not None:
-            args.append(f"--worker_timeout={s['worker_timeout']:g}")
-        if s.get("checkpoint_every_s"):
-            args.append(f"--checkpoint_every_s={s['checkpoint_every_s']:g}")
-        return args
-
-    def start_chief(self):
-        n = len(self.chiefs)
-        with (
-            open(os.path.join(self.dir, f"chief{n}.out"), "w") as out,
-            open(os.path.join(self.dir, f"chief{n}.err"), "w") as err,
-        ):
-            self.chiefs.append(
+        path = os.path.join(self.dir, name)
+        with open(path + ".out", "w") as out, open(path + ".err", "w") as err:
+            self.started.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "tf2sync", *self.chief_args()],
+                    [sys.executable, "-m", "tf2sync", *args],
                     stdout=out,
                     stderr=err,
                     **procutil.child_kwargs(self.env),
                 )
             )
+        return self.started[-1]
 
-    @property
-    def chief(self):
-        return self.chiefs[-1]
-
-    def output(self, n=-1):
-        n = n % len(self.chiefs)
-        with open(os.path.join(self.dir, f"chief{n}.out")) as f:
+    def output(self, name):
+        with open(os.path.join(self.dir, f"{name}.out")) as f:
             return f.read()
 
     def wait_step(self, target, deadline):
-        """Waits until the step reaches `target`; False if the chief ended."""
+        """Waits until the step reaches `target`; False if the process
+        started last ended (or the deadline passed) first."""
         while time.monotonic() < deadline:
             self.progress.poll()
             if self.progress.step() >= target:
                 return True
-            if self.chief.poll() is not None:
+            if self.started[-1].poll() is not None:
                 return False
             time.sleep(0.02)
         return False
 
-    def close(self, keep_logs):
-        """Ends every process by PID; returns the PIDs still running."""
-        for chief in self.chiefs:
-            procutil.kill(chief)
-        pids = self.tasks.stop() + [c.pid for c in self.chiefs]
-        time.sleep(0.5)
+    def close(self, keep_logs, pids=()):
+        """Ends every process (and `pids`) by PID; returns those still
+        running."""
+        for process in self.started:
+            procutil.kill(process)
+        procutil.kill_pids(_tf2sync_pids(pids))
+        with contextlib.suppress(AssertionError):
+            procutil.wait_gone(pids, 30)
+        pids = [*pids, *[p.pid for p in self.started]]
+        if self.tasks:
+            pids = self.tasks.stop() + pids
+            time.sleep(0.5)
         left = [p for p in pids if _running(p)]
         if not (self.settings["keep"] or keep_logs or left):
             shutil.rmtree(self.dir, ignore_errors=True)
         return left
 
 
+class ClusterRun(Run):
+    """A chief started by the harness, on ps and worker tasks it started."""
+
+    def __init__(self, settings, num_workers, rta, epochs):
+        super().__init__(settings, epochs)
+        self.num_workers = num_workers
+        self.rta = rta
+        num_ps = settings["num_ps"]
+        self.spec = cluster_lib.cluster_spec_dict(num_workers, num_ps)
+        self.tasks = procutil.Tasks(self.spec)
+
+    def start_chief(self):
+        s = self.settings
+        args = ["--job_name=chief", *procutil.host_flags(self.spec)]
+        args += [f"--checkpoint_dir={os.path.join(self.dir, 'ckpt')}"]
+        args += ["--ps_restart_timeout=120"]
+        if self.rta:
+            args += [f"--replicas_to_aggregate={self.rta}"]
+            args += [f"--total_num_replicas={self.num_workers}"]
+        for name in ("token_timeout", "worker_timeout"):
+            if s[name] is not None:
+                args.append(f"--{name}={s[name]:g}")
+        if s.get("checkpoint_every_s"):
+            args.append(f"--checkpoint_every_s={s['checkpoint_every_s']:g}")
+        self.start(f"chief{len(self.started)}", *args)
+
+    @property
+    def chief(self):
+        return self.started[-1]
+
+
 def _inject(kind, run, rng, settings):
     """Injects one fault of `kind`; returns once the harness's part is done."""
     delay = settings["restart_delay"]
     index = rng.randrange(run.num_workers)
-    if kind == "worker_kill":
-        run.tasks.kill("worker", index)
+    if kind == "ps_kill":
+        num_ps = settings["num_ps"]
+        index = rng.randrange(num_ps) if num_ps > 1 else 0
+        print(f"  ps {index} of {num_ps}", flush=True)
+    if kind in ("worker_kill", "ps_kill"):
+        job = kind.removesuffix("_kill")
+        run.tasks.kill(job, index)
         time.sleep(delay)
-        run.tasks.restart("worker", index)
+        run.tasks.restart(job, index)
     elif kind == "worker_freeze":
         process = run.tasks.processes[("worker", index)]
         process.send_signal(signal.SIGSTOP)
@@ -322,13 +307,6 @@ def _inject(kind, run, rng, settings):
             time.sleep(settings["freeze_seconds"])
         finally:
             process.send_signal(signal.SIGCONT)
-    elif kind == "ps_kill":
-        num_ps = settings["num_ps"]
-        ps = rng.randrange(num_ps) if num_ps > 1 else 0
-        print(f"  ps {ps} of {num_ps}", flush=True)
-        run.tasks.kill("ps", ps)
-        time.sleep(delay)
-        run.tasks.restart("ps", ps)
     elif kind == "chief_kill":
         procutil.kill(run.chief)
         time.sleep(delay)
@@ -339,9 +317,8 @@ def _inject(kind, run, rng, settings):
 
 def _target(rng, epoch, per_epoch):
     """A random global step inside `epoch` (1-based)."""
-    return (epoch - 1) * per_epoch + max(
-        1, round(rng.uniform(0.1, 0.9) * per_epoch)
-    )
+    inside = max(1, round(rng.uniform(0.1, 0.9) * per_epoch))
+    return (epoch - 1) * per_epoch + inside
 
 
 def _cluster_run(fault, settings, rng):
@@ -365,7 +342,7 @@ def _cluster_run(fault, settings, rng):
     per_epoch = pushes // workers
     started = time.monotonic()
     deadline = started + settings["run_timeout"]
-    run = Run(settings, workers, rta, epochs)
+    run = ClusterRun(settings, workers, rta, epochs)
     injected = []
     try:
         run.start_chief()
@@ -378,38 +355,32 @@ def _cluster_run(fault, settings, rng):
                 outcome.note += f"{kind} not injected (training done); "
                 break
             injected.append(time.time())
-            print(
-                f"  {kind} at step {run.progress.step()} (epoch {epoch})",
-                flush=True,
-            )
+            step = run.progress.step()
+            print(f"  {kind} at step {step} (epoch {epoch})", flush=True)
             _inject(kind, run, rng, settings)
         while run.chief.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         run.progress.poll()
-        output = run.output()
+        applied = _APPLIED.search(run.output(f"chief{len(run.started) - 1}"))
         final = run.progress.path + ".final.npz"
+        code = run.chief.poll()
         outcome.completed = (
-            run.chief.poll() == 0
-            and bool(_APPLIED.search(output))
-            and os.path.exists(final)
+            code == 0 and bool(applied) and os.path.exists(final)
         )
-        if run.chief.poll() is None:
+        if code is None:
             outcome.note += "the chief did not end in time; "
         elif not outcome.completed:
-            outcome.note += f"the chief exited {run.chief.poll()}; "
+            outcome.note += f"the chief exited {code}; "
         if outcome.completed:
             outcome.applied, outcome.weight_diff = _off_trajectory(final)
             outcome.off_trajectory = outcome.weight_diff > _TOLERANCE
-            printed = int(_APPLIED.search(output).group(1))
+            printed = int(applied.group(1))
             if printed != outcome.applied:
                 outcome.note += f"printed {printed} applied; "
         times, outcome.redone, outcome.redone_s = run.progress.updates()
-        end = next(
-            (t for t, v in reversed(run.progress.lines) if v == "end"),
-            time.time(),
-        )
-        for i, t0 in enumerate(injected):
-            t1 = injected[i + 1] if i + 1 < len(injected) else end
+        ends = [t for t, v in run.progress.lines if v == "end"]
+        bounds = [*injected[1:], ends[-1] if ends else time.time()]
+        for t0, t1 in zip(injected, bounds):
             outcome.stalls.append(round(_stall(times, t0, t1), 2))
     finally:
         outcome.left_behind = run.close(keep_logs=not outcome.completed)
@@ -424,59 +395,41 @@ def _launcher_run(settings, rng):
     epochs = settings["epochs"]
     per_epoch = settings["steps_per_epoch"] // 2
     outcome = Outcome("launcher_kill", planned=epochs * per_epoch)
-    directory = tempfile.mkdtemp(prefix="tf2sync-chaos-")
-    progress = Progress(os.path.join(directory, "progress"))
-    env = dict(procutil.ENV, TF2SYNC_PROGRESS_FILE=progress.path)
-    out_path = os.path.join(directory, "launcher.out")
     started = time.monotonic()
-    deadline = started + settings["run_timeout"]
-    args = [
-        "--job_module=fault_job",
-        "--local_cluster=2,1",
-        f"--epochs={epochs}",
-        f"--steps_per_epoch={settings['steps_per_epoch']}",
-        f"--steps_per_execution={settings['steps_per_execution']}",
-        f"--learning_rate={fault_job.LEARNING_RATE}",
-        f"--momentum={fault_job.MOMENTUM}",
-    ]
+    run = Run(settings, epochs)
     pids = []
-    with (
-        open(out_path, "w") as out,
-        open(os.path.join(directory, "launcher.err"), "w") as err,
-    ):
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "tf2sync", *args],
-            stdout=out,
-            stderr=err,
-            **procutil.child_kwargs(env),
-        )
     try:
+        launcher = run.start("launcher", "--local_cluster=2,1")
         target = _target(rng, rng.randint(1, epochs), per_epoch)
-        while time.monotonic() < deadline and launcher.poll() is None:
-            progress.poll()
-            if progress.step() >= target:
-                break
-            time.sleep(0.02)
-        with open(out_path) as f:
-            match = _PIDS.search(f.read())
+        run.wait_step(target, started + settings["run_timeout"])
+        match = _PIDS.search(run.output("launcher"))
         pids = [int(p) for p in match.group(1).split(",")] if match else []
         if launcher.poll() is not None or not pids:
             outcome.note += "the launcher ended before the fault; "
         else:
-            print(f"  launcher SIGKILL at step {progress.step()}", flush=True)
+            step = run.progress.step()
+            print(f"  launcher SIGKILL at step {step}", flush=True)
             procutil.kill(launcher)
             time.sleep(5.0)
             outcome.left_behind = [p for p in pids if _running(p)]
             outcome.completed = True  # the fault was injected
     finally:
-        procutil.kill(launcher)
-        _kill_pids(pids)
-        if [p for p in pids if _running(p)]:
+        if run.close(keep_logs=False, pids=pids):
             outcome.note += "task processes survived SIGKILL; "
-        if not settings["keep"]:
-            shutil.rmtree(directory, ignore_errors=True)
     outcome.seconds = round(time.monotonic() - started, 1)
     return outcome
+
+
+def _tf2sync_pids(pids):
+    """The PIDs of `pids` that still run tf2sync (not reused by another)."""
+    mine = []
+    for pid in pids:
+        with (
+            contextlib.suppress(OSError),
+            open(f"/proc/{pid}/cmdline", "rb") as f,
+        ):
+            mine += [pid] * (b"tf2sync" in f.read())
+    return mine
 
 
 def run_fault(fault, settings, rng):
@@ -491,22 +444,23 @@ def _fmt(values, spec):
     return f"{format(median(values), spec)} / {format(max(values), spec)}"
 
 
+def _name(o):
+    """A row's fault, with its settings."""
+    s = o.settings
+    text = FAULTS[o.fault].format(
+        delay=s["restart_delay"], freeze=s["freeze_seconds"]
+    )
+    num_ps = s.get("num_ps", 1)  # runs recorded before the flag: 1
+    text = text if num_ps == 1 else f"{text}, {num_ps} ps"
+    every = s.get("checkpoint_every_s")
+    return f"{text}, a save every {every:g} s" if every else text
+
+
 def table(outcomes):
     """The Markdown table of `outcomes`, one row per fault and setting."""
-
-    def name(o):
-        s = o.settings
-        text = FAULTS[o.fault].format(
-            delay=s["restart_delay"], freeze=s["freeze_seconds"]
-        )
-        num_ps = s.get("num_ps", 1)  # runs recorded before the flag: 1
-        text = text if num_ps == 1 else f"{text}, {num_ps} ps"
-        every = s.get("checkpoint_every_s")
-        return f"{text}, a save every {every:g} s" if every else text
-
     groups = {}
     for o in sorted(outcomes, key=lambda o: list(FAULTS).index(o.fault)):
-        groups.setdefault((o.fault, name(o)), []).append(o)
+        groups.setdefault((o.fault, _name(o)), []).append(o)
     rows = []
     for (fault, name), mine in groups.items():
         left = sum(len(o.left_behind) for o in mine)
@@ -516,14 +470,13 @@ def table(outcomes):
             continue
         done = [o for o in mine if o.completed]
         applied = [o for o in done if o.applied is not None]
+        twice = sum(bool(o.off_trajectory) for o in applied)
         rows.append(
             [
                 name,
                 len(mine),
                 len(done),
-                sum(bool(o.off_trajectory) for o in applied)
-                if applied
-                else "n/a",
+                twice if applied else "n/a",
                 _fmt([max(0, o.applied - o.planned) for o in applied], "g"),
                 _fmt([max(0, o.planned - o.applied) for o in applied], "g"),
                 _fmt([o.redone for o in mine], "g"),
@@ -533,13 +486,17 @@ def table(outcomes):
                 seconds,
             ]
         )
+    median_max = " (median / max)"
     header = ["fault", "runs", "completed", "applied twice"]
-    header += ["updates over the plan (median / max)"]
-    header += ["work lost, updates (median / max)"]
     header += [
-        "updates redone (median / max)",
-        "training redone, seconds (median / max)",
-        "seconds stalled (median / max)",
+        f"{column}{median_max}"
+        for column in (
+            "updates over the plan",
+            "work lost, updates",
+            "updates redone",
+            "training redone, seconds",
+            "seconds stalled",
+        )
     ]
     header += ["processes left behind", "seconds per run (median)"]
     return "\n".join(tables.table(header, rows))
@@ -574,12 +531,11 @@ def run_all(settings):
     seed = _SEED.value if _SEED.value is not None else random.randrange(2**31)
     print(f"chaos: seed={seed} {json.dumps(settings)}", flush=True)
     rng = random.Random(seed)
-    previous = []
+    previous, outcomes = [], []
     if _RESULTS.value and os.path.exists(_RESULTS.value):
         with open(_RESULTS.value) as f:
             previous = [Outcome(**o) for o in json.load(f)]
-    outcomes = []
-    public = {k: v for k, v in settings.items() if k not in ("keep",)}
+    public = {k: v for k, v in settings.items() if k != "keep"}
     for fault in settings["faults"]:
         for repeat in range(settings["repeats"]):
             print(f"chaos: {fault} run {repeat + 1}", flush=True)
@@ -589,11 +545,8 @@ def run_all(settings):
             outcomes.append(outcome)
             if _RESULTS.value:
                 with open(_RESULTS.value, "w") as f:
-                    json.dump(
-                        [dataclasses.asdict(o) for o in previous + outcomes],
-                        f,
-                        indent=1,
-                    )
+                    rows = [dataclasses.asdict(o) for o in previous + outcomes]
+                    json.dump(rows, f, indent=1)
     text = table(previous + outcomes)
     print(text)
     if _OUTPUT.value:
@@ -607,25 +560,29 @@ def write_doc(path, text, outcomes):
     invocations = {}
     for o in outcomes:
         invocations.setdefault(o.seed, o.settings)
-    commands = "\n".join(
-        f"    python benchmarks/chaos.py --faults={','.join(v['faults'])} "
-        f"--repeats={v['repeats']} --seed={seed}"
-        + (
-            f" --freeze_seconds={v['freeze_seconds']:g}"
-            if v["freeze_seconds"] != _FLAGS["freeze_seconds"][0]
-            else ""
+    commands = []
+    for seed, v in invocations.items():
+        command = (
+            f"    python benchmarks/chaos.py --faults={','.join(v['faults'])} "
         )
-        + " --results=/tmp/chaos.json"
-        for seed, v in invocations.items()
+        command += f"--repeats={v['repeats']} --seed={seed}"
+        if v["freeze_seconds"] != _FLAGS["freeze_seconds"][0]:
+            command += f" --freeze_seconds={v['freeze_seconds']:g}"
+        commands.append(command + " --results=/tmp/chaos.json")
+    timeouts = "".join(
+        f" --{name}={s[name]:g}"
+        for name in ("worker_timeout", "token_timeout")
+        if s[name] is not None
     )
     seconds = [o.seconds for o in outcomes]
     with open(path, "w") as f:
         f.write(
             "# Fault injection\n\nMerged through --results from:\n\n"
-            f"{commands}\n\n{s['epochs']} epochs x {s['steps_per_epoch']} "
+            + "\n".join(commands)
+            + f"\n\n{s['epochs']} epochs x {s['steps_per_epoch']} "
             f"pushes, steps_per_execution={s['steps_per_execution']}, 2 "
             f"workers (3 with the backup), the chief with --checkpoint_dir"
-            f"{_timeouts(s)}; runs of {min(seconds):.0f}-{max(seconds):.0f} "
+            f"{timeouts}; runs of {min(seconds):.0f}-{max(seconds):.0f} "
             "s. What the faults and columns are: [benchmarks.md]"
             "(benchmarks.md#faults).\n\n" + text + "\n" + _failures(outcomes)
         )
@@ -642,15 +599,6 @@ def _failures(outcomes):
         for o in failed
     ]
     return "\nRuns that did not complete:\n\n" + "\n".join(lines) + "\n"
-
-
-def _timeouts(s):
-    parts = []
-    if s["worker_timeout"] is not None:
-        parts.append(f" --worker_timeout={s['worker_timeout']:g}")
-    if s["token_timeout"] is not None:
-        parts.append(f" --token_timeout={s['token_timeout']:g}")
-    return "".join(parts)
 
 
 if __name__ == "__main__":

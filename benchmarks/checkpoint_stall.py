@@ -1,13 +1,5 @@
-"""What a save inside an epoch costs `fit` (issue 56: at most one step).
-
-One in-process cluster (127.0.0.1, 1 ps, `--workers` workers), a workload
-of `workloads.py` under `model.fit` with `steps_per_execution=10` (the
-launcher's default), epochs run side by side: without saves inside the
-epoch, with `tf2sync.SyncCheckpoint(every_steps=...)`, and with it
-writing in the background, in turn, the first epoch of each kind dropped
-(set-up). The stall per save is the extra epoch time over the saves it
-made; it is reported beside a synchronous step's time (an epoch without
-saves over its updates).
+"""What a save inside an epoch costs `fit` (issue 56: at most one step);
+the method: docs/benchmarks.md#checkpoint-stall.
 
   python benchmarks/checkpoint_stall.py --workload=w3 --rounds=5
 """
@@ -16,8 +8,8 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 
+import systems
 import tensorflow as tf
 import workloads  # sets TF_USE_LEGACY_KERAS before tf.keras is read
 from absl import app
@@ -32,29 +24,14 @@ _EVERY = flags.DEFINE_integer("every_steps", 100, "Steps between saves.")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Epochs of each kind measured.")
 
 
-class _EpochSeconds(tf.keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.seconds = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._began = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.perf_counter() - self._began)
-
-
 def _fit(model, data, saver):
-    timer = _EpochSeconds()
-    callbacks = [timer] + ([saver] if saver else [])  # timer first
+    """The seconds of one epoch of `fit`, with `saver` if not None."""
+    timer = systems.EpochTimer(0)
+    callbacks = [timer] + ([saver] if saver else [])
     model.fit(
-        data,
-        epochs=1,
-        steps_per_epoch=_STEPS.value,
-        callbacks=callbacks,
-        verbose=0,
+        data, steps_per_epoch=_STEPS.value, callbacks=callbacks, verbose=0
     )
-    return timer.seconds[0]
+    return timer.seconds
 
 
 def main(argv):
@@ -66,11 +43,9 @@ def main(argv):
     )
     with strategy.scope():
         model = workloads.build_model(workload)
-        model.compile(
-            optimizer=tf2sync.SyncOptimizer(workloads.optimizer()),
-            loss=workloads.keras_loss(workload),
-            steps_per_execution=10,
-        )
+        opt = tf2sync.SyncOptimizer(workloads.optimizer())
+        loss = workloads.keras_loss(workload)
+        model.compile(opt, loss, steps_per_execution=10)
     batch = workloads.batch(workload)
     data = tf.keras.utils.experimental.DatasetCreator(
         lambda ctx: workloads.dataset(workload, batch)

@@ -99,6 +99,21 @@ class Bench:
         self.registry = registry
         self.sink = sink
 
+    def base(self, scenario, functions, **fields):
+        """The fields of every record of a scenario's run."""
+        k = {"steps_per_function": self.s.k, "functions": functions}
+        return {"scenario": scenario, **fields, **k}
+
+    def pss(self, name, child, workers, system, workload, shards=1, **args):
+        """`system` on the pss_worker.py `child` (`args`: its options)."""
+        args = {"system": system, "workload": workload, "k": self.s.k, **args}
+        args.update({"shards": shards} if shards > 1 else {})
+        return Endpoint(name, "pss", [child], args, workers)
+
+    def tf1(self, name, child, workers):
+        """The tf1_sync_worker.py `child`, warmed up for 2 K global steps."""
+        return Endpoint(name, "tf1", [child], {"steps": 2 * self.s.k}, workers)
+
     def start(self, name, argv, env=None, protocol=True, tree=None):
         child = self.registry.start(name, argv, env=env, protocol=protocol)
         where = {"tree": tree} if tree else {}
@@ -108,22 +123,16 @@ class Bench:
     def python(self, script, *args):
         return [sys.executable, os.path.join(_HERE, script), *args]
 
-    def start_pss(
-        self, name, workers, local_workers=2, cluster_spec=None, **options
-    ):
+    def start_pss(self, name, workers, local_workers=2, spec=None, **options):
         """A pss_worker.py child (options: `optimizer`, `ps`, `hold_time`,
         `tree`: a checkout whose own worker runs)."""
-        args = [
-            f"--workers={workers}",
-            f"--local_workers={local_workers}",
-            f"--optimizer={options.get('optimizer') or self.s.optimizer}",
-        ]
+        optimizer = options.get("optimizer") or self.s.optimizer
+        args = [f"--workers={workers}", f"--local_workers={local_workers}"]
+        args.append(f"--optimizer={optimizer}")
         if options.get("ps", 1) != 1:
             args.append(f"--ps={options['ps']}")
-        if options.get("hold_time"):
-            args.append("--hold_time")
-        if cluster_spec:
-            args.append("--cluster_spec=" + json.dumps(cluster_spec))
+        args += ["--hold_time"] * bool(options.get("hold_time"))
+        args += ["--cluster_spec=" + json.dumps(spec)] * bool(spec)
         tree = options.get("tree")
         if tree is None:
             return self.start(name, self.python("pss_worker.py", *args))
@@ -139,7 +148,7 @@ class Bench:
         return self.start(name or f"tf1_sync_{workload}", argv)
 
     def start_mwms(self, workload, workers, tag=""):
-        ports = procs.pick_free_ports(workers)
+        ports = procs.library("cluster").pick_free_ports(workers)
         cluster = {"worker": [f"{procs.LOOPBACK}:{p}" for p in ports]}
         children = []
         for i in range(workers):
@@ -153,26 +162,20 @@ class Bench:
     def start_tasks(self, name, workers, env=None, ps=1):
         """ps, then worker tasks (`python -m tf2sync`), and their spec."""
         spec = procs.library("cluster").cluster_spec_dict(workers, ps)
-        hosts = [
-            "--ps_hosts=" + ",".join(spec["ps"]),
-            "--worker_hosts=" + ",".join(spec["worker"]),
-            "--chief_host=" + spec["chief"][0],
-        ]
+        hosts = [f"--{j}_hosts=" + ",".join(spec[j]) for j in ("ps", "worker")]
+        hosts.append("--chief_host=" + spec["chief"][0])
         tasks = []
         for job, count in (("ps", ps), ("worker", workers)):
             for i in range(count):
-                devices = self.worker_device_env(i) if job == "worker" else {}
-                task_env = {
-                    "CUDA_VISIBLE_DEVICES": "",
-                    **devices,
-                    **(env or {}),
-                }
+                devices = {"CUDA_VISIBLE_DEVICES": ""}  # a ps: CPU only
+                if job == "worker":
+                    devices = self.worker_device_env(i)
+                task_env = {**devices, **(env or {})}
                 args = [f"--job_name={job}", f"--task_index={i}", *hosts]
                 argv = [sys.executable, "-m", "tf2sync", *args]
-                child = self.start(
-                    f"{name}_{job}{i}", argv, task_env, protocol=False
+                tasks.append(
+                    self.start(f"{name}_{job}{i}", argv, task_env, False)
                 )
-                tasks.append(child)
         return spec, tasks
 
     def worker_device_env(self, index):
@@ -194,12 +197,8 @@ class Bench:
         failing = [endpoint]
         if getattr(error, "fatal", True) or len(endpoint.children) > 1:
             self.registry.stop(endpoint.children)
-            failing += [
-                e
-                for e in endpoints
-                if e is not endpoint
-                and set(e.children) & set(endpoint.children)
-            ]
+            mine = set(endpoint.children)
+            failing += [e for e in endpoints if set(e.children) & mine]
         for other in failing:
             if not other.failed:
                 other.failed = str(error)
@@ -232,15 +231,11 @@ class Bench:
                 self.fail(endpoints, endpoint, e, base)
                 continue
             answers[endpoint.name] = answer
+            record = {**base, "system": endpoint.name}
+            record.update((extra or {}).get(endpoint.name, {}), event="setup")
+            record["setup_s"] = round(time.perf_counter() - start, 2)
             self.sink.write(
-                {
-                    **base,
-                    "system": endpoint.name,
-                    **(extra or {}).get(endpoint.name, {}),
-                    "event": "setup",
-                    "setup_s": round(time.perf_counter() - start, 2),
-                    **(answer if isinstance(answer, dict) else {}),
-                }
+                {**record, **(answer if isinstance(answer, dict) else {})}
             )
         return answers
 
@@ -248,30 +243,22 @@ class Bench:
         self, endpoints, functions, base, extra, window=False, first_repeat=0
     ):
         """The repeats, each round in `balanced_order`, one record a run."""
-        for repeat in range(first_repeat, first_repeat + self.s.repeats):
+        s = self.s
+        for repeat in range(first_repeat, first_repeat + s.repeats):
             for i in balanced_order(len(endpoints), repeat):
                 endpoint = endpoints[i]
                 if endpoint.failed:
                     continue
                 cpu = self.registry.cpu_seconds()
                 try:
-                    result = endpoint.run(
-                        functions, self.s.k, self.s.timeout, window=window
-                    )
+                    result = endpoint.run(functions, s.k, s.timeout, window)
                 except procs.ChildError as e:
                     self.fail(endpoints, endpoint, e, base)
                     continue
                 cpu = self.registry.cpu_seconds() - cpu
-                self.sink.write(
-                    {
-                        **base,
-                        "system": endpoint.name,
-                        "repeat": repeat,
-                        **extra.get(endpoint.name, {}),
-                        **result,
-                        **_cpu_per_example(cpu, result),
-                    }
-                )
+                record = {**base, "system": endpoint.name, "repeat": repeat}
+                record.update(extra.get(endpoint.name, {}), **result)
+                self.sink.write({**record, **_cpu_per_example(cpu, result)})
 
     def run_all(self, endpoints, functions, base, extra, **options):
         """`setup`, then `interleave`; ends the endpoints' processes."""

@@ -1,29 +1,9 @@
 #!/usr/bin/env bash
-# The GPU path on one machine with a GPU, in under 8 minutes:
-#
-#   1. the main job with --num_gpus=1 (the local workers share the GPU,
-#      ps and chief stay on CPU), 3 epochs;
-#   2. the same with --mixed_precision=mixed_float16 (tf2sync's loss
-#      scaling on GPU workers);
-#   3. w2 (a small conv net) with GPU workers: tf2sync through fit and its
-#      custom loop, stock PSS and MultiWorkerMirroredStrategy, side by side
-#      (benchmarks/harness.py --worker_gpus=1, 3 repeats).
-#
-# Writes OUT_DIR/gpu_check.md, a Markdown table (one row per part: exit
-# code, seconds, what it printed), and prints it. Exits 1 if a part failed
-# (or ran past its limit: 120 + 120 + 210 s, 7.5 min in all), 2 if the
-# interpreter cannot import TensorFlow, or if nvidia-smi lists a GPU that
-# TensorFlow does not see and CUDA_VISIBLE_DEVICES does not hide (pip's
-# `tensorflow` brings no CUDA libraries: `$PYTHON -m pip install
-# 'tensorflow[and-cuda]==2.21.*'`).
-# On a machine without a GPU it says that it skipped the GPU parts, still
-# writes the table (each row "skipped: no GPU") and exits 0, so CI runs it
-# too.
+# The GPU path on one machine with a GPU, in under 8 minutes (its parts,
+# table and exit codes: docs/benchmarks.md#gpu-check). PYTHON selects the
+# interpreter (default: .venv/bin/python, else python3).
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]     # default: /tmp/gpu_check
-#
-# PYTHON selects the interpreter (default: .venv/bin/python, else python3);
-# it needs tf2sync installed with the `bench` and `examples` extras.
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-/tmp/gpu_check}"
@@ -44,9 +24,7 @@ if ! gpus=$(TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c \
 fi
 gpus=$(printf '%s\n' "$gpus" | tail -1)
 case "$gpus" in '' | *[!0-9]*) gpus=0 ;; esac
-# A GPU TensorFlow cannot use is not "no GPU" either: it stops the check,
-# unless CUDA_VISIBLE_DEVICES hides the GPUs on purpose (nvidia-smi ignores
-# it).
+# Nor is a GPU TensorFlow cannot use, unless CUDA_VISIBLE_DEVICES hides it.
 listed=0
 case "${CUDA_VISIBLE_DEVICES-unset}" in
   '' | -1) ;;
@@ -68,14 +46,9 @@ if [ "$gpus" -gt 0 ]; then
   device="${device:-$gpus GPU(s)}"
 fi
 
-{
-  echo "# GPU check"
-  echo
-  echo "Machine: $(nproc) CPU cores, $device; $(date -u +%Y-%m-%dT%H:%MZ)."
-  echo
-  echo "| part | command | exit | seconds | result |"
-  echo "|---|---|---|---|---|"
-} >"$TABLE"
+printf '# GPU check\n\nMachine: %s CPU cores, %s; %s.\n\n%s\n%s\n' "$(nproc)" \
+  "$device" "$(date -u +%Y-%m-%dT%H:%MZ)" "| part | command | exit | seconds | result |" \
+  "|---|---|---|---|---|" >"$TABLE"
 
 row() { # part, command, exit, seconds, result
   printf '| %s | `%s` | %s | %s | %s |\n' "$1" "$2" "$3" "$4" "$5" >>"$TABLE"
@@ -123,12 +96,8 @@ if [ "$gpus" -gt 0 ] && [ -f "$OUT_DIR/w2/benchmarks.md" ]; then
   if [ -n "$rates" ]; then # the row's result cell: the medians
     sed -i "s#^\(| w2_gpu_workers | .* | 0 | [0-9]* | \)see [^|]* |\$#\1$rates |#" "$TABLE"
   fi
-  {
-    echo
-    echo "## w2 with GPU workers (harness report)"
-    echo
-    cat "$OUT_DIR/w2/benchmarks.md"
-  } >>"$TABLE"
+  printf '\n## w2 with GPU workers (harness report)\n\n' >>"$TABLE"
+  cat "$OUT_DIR/w2/benchmarks.md" >>"$TABLE"
 fi
 cat "$TABLE"
 echo "gpu_check: table in $TABLE"

@@ -78,26 +78,19 @@ _DEFINE = {list: flags.DEFINE_list, bool: flags.DEFINE_bool}
 _DEFINE |= {int: flags.DEFINE_integer, float: flags.DEFINE_float}
 for _name, (_default, _, _help) in _FLAGS.items():
     _DEFINE.get(type(_default), flags.DEFINE_string)(_name, _default, _help)
+    _low = 0 if _name == "worker_gpus" else 1
     if type(_default) is int:
-        _low = 0 if _name == "worker_gpus" else 1
-        flags.register_validator(
-            _name,
-            lambda v, low=_low: v >= low,
-            message=f"--{_name} must be {'positive' if _low else '>= 0'}.",
+        _what = "positive" if _low else ">= 0"
+        _check = lambda v, low=_low: v >= low  # noqa: E731
+    elif _name in _INTS:
+        _what = "a list of positive integers"
+        _check = lambda v: (
+            bool(v) and all(x.isdigit() and int(x) > 0 for x in v)
         )
+    else:
+        continue
+    flags.register_validator(_name, _check, f"--{_name} must be {_what}.")
 flags.DEFINE_enum("optimizer", "legacy", ["legacy", "keras"], "Momentum SGD.")
-
-
-def _positive_ints(values):
-    return bool(values) and all(v.isdigit() and int(v) > 0 for v in values)
-
-
-for _name in _INTS:
-    flags.register_validator(
-        _name,
-        _positive_ints,
-        message=f"--{_name} must be a list of positive integers.",
-    )
 
 
 @flags.validator("baseline_tree")
@@ -111,9 +104,8 @@ def _baseline_tree_ok(path):
         driver.BASELINE_WORKER,
     ):
         if not os.path.isfile(os.path.join(path, needed)):
-            raise flags.ValidationError(
-                f"lacks {needed} (want a checkout of this repository)."
-            )
+            why = f"lacks {needed} (want a checkout of this repository)."
+            raise flags.ValidationError(why)
     return True
 
 
@@ -160,10 +152,8 @@ def _check(s):
             raise app.UsageError(
                 f"--{name}: unknown {unknown}; choose from {list(allowed)}."
             )
-    if s.baseline_tree and not (
-        "main" in s.scenarios
-        and any(x.startswith("tf2sync") for x in s.systems)
-    ):
+    tf2sync_systems = any(x.startswith("tf2sync") for x in s.systems)
+    if s.baseline_tree and not ("main" in s.scenarios and tf2sync_systems):
         raise app.UsageError(
             f"--baseline_tree={s.baseline_tree}: compares the main "
             "scenario's tf2sync systems; select --scenarios=main and a "
@@ -201,14 +191,10 @@ def main(argv):
                 run(bench)
     finally:
         registry.stop_all()
-        sink.write(
-            {
-                "event": "processes",
-                "started": [c.record() for c in registry.children],
-                "alive": registry.alive(),
-                "seconds": round(time.monotonic() - start, 1),
-            }
-        )
+        started = [c.record() for c in registry.children]
+        done = {"event": "processes", "started": started}
+        seconds = round(time.monotonic() - start, 1)
+        sink.write({**done, "alive": registry.alive(), "seconds": seconds})
         for path in report.write(sink.records, output_dir):
             print(f"wrote {path}", flush=True)
 

@@ -34,10 +34,6 @@ def library(name):
     return __import__(f"tf2sync._src.{name}", fromlist=["_"])
 
 
-def pick_free_ports(count):
-    return library("cluster").pick_free_ports(count)
-
-
 def _stat(pid):
     """/proc/PID/stat's fields after the command; None once `pid` ended."""
     try:
@@ -91,10 +87,11 @@ class Child:
         full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
         full_env.pop("TF_CONFIG", None)
         full_env.update(env or {})
+        pipe = subprocess.PIPE
         self.process = subprocess.Popen(
             argv,
-            stdin=subprocess.PIPE if protocol else subprocess.DEVNULL,
-            stdout=subprocess.PIPE if protocol else self._log,
+            stdin=pipe if protocol else subprocess.DEVNULL,
+            stdout=pipe if protocol else self._log,
             stderr=self._log,
             text=True,
             start_new_session=True,
@@ -125,19 +122,16 @@ class Child:
             raise ChildError(f"{self.name} is gone ({e}).") from None
 
     def receive(self, timeout):
+        log = self._log.name
         try:
             reply = self._replies.get(timeout=timeout)
         except queue.Empty:
             self.signal(signal.SIGUSR1)  # its Python stacks, into its log
-            raise ChildError(
-                f"{self.name} did not answer within {timeout:g} s; see "
-                f"{self._log.name}."
-            ) from None
+            message = f"did not answer within {timeout:g} s; see {log}."
+            raise ChildError(f"{self.name} {message}") from None
         if reply is None:
-            raise ChildError(
-                f"{self.name} ended (exit code {self.process.poll()}); "
-                f"see {self._log.name}."
-            )
+            message = f"ended (exit code {self.process.poll()}); see {log}."
+            raise ChildError(f"{self.name} {message}")
         if "error" in reply:
             raise ChildError(f"{self.name}: {reply['error']}", fatal=False)
         return reply
@@ -153,9 +147,6 @@ class Child:
         if self.running():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.pid, sig)
-
-    def stop(self, grace=5.0):
-        stop_all([self], grace)
 
     def record(self):
         return {"name": self.name, "pid": self.pid, "start_time": self.started}

@@ -1,12 +1,7 @@
-"""Benchmark subprocess: the chief of a PSS cluster, serving the harness.
-
-Commands (`procs.serve`): `setup(key, system, workload, k, **options)`
-builds and warms up a runner (options: `rta`, `total`, `delay_factor`,
-`shards`) and answers its bytes on each ps; `run(key, functions, window)`
-times it. `--workers=0`: `local`, no cluster; `--mwms`: one worker of
-`mwms`; `--cluster_spec`: tasks the harness started; else an in-process
-cluster of `--ps` ps.
-"""
+"""Benchmark subprocess: the chief of a PSS cluster (or `local`, or an
+`mwms` worker), serving the harness: `setup(key, system, workload, k,
+**options)` builds and warms up a runner and answers its bytes on each ps;
+`run(key, functions, window)` times it."""
 
 from __future__ import annotations
 
@@ -79,14 +74,8 @@ class _Server:
                 workload, self.workers, k, self.kind, strategy=self.mwms
             )
             return answer
-        strategy = systems.strategy(
-            self.resolver,
-            sync,
-            self.workers,
-            options.get("rta"),
-            options.get("total"),
-            options.get("shards"),
-        )
+        parts = [options.get(x) for x in ("rta", "total", "shards")]
+        strategy = systems.strategy(self.resolver, sync, self.workers, *parts)
         if "_fit" in system:
             keras_loop = system.endswith("_keras_loop")
             runner = systems.FitRunner(
@@ -142,7 +131,7 @@ def main(argv):
             rpc_layer="grpc",
         )
         workers = len(spec["worker"])
-    elif workers:
+    elif workers:  # an in-process cluster
         resolver = tf2sync.testing.local_cluster(workers, _PS.value)
     else:  # `local` only: a cluster would move its variables off localhost
         workers, resolver = _LOCAL_WORKERS.value, None

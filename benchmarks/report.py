@@ -4,6 +4,7 @@ benchmarks.md (targets, then each scenario's section through
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import os
@@ -46,21 +47,15 @@ def machine():
     except OSError:
         pass
 
-    def version(name):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "cpus": os.cpu_count(),
-        "cpu": model,
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-        "python": platform.python_version(),
-        "tensorflow": version("tensorflow"),
-        "tf_keras": version("tf-keras"),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-    }
+    found = {"cpus": os.cpu_count(), "cpu": model}
+    found["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    found["python"] = platform.python_version()
+    for key, name in (("tensorflow", "tensorflow"), ("tf_keras", "tf-keras")):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found[key] = None
+            found[key] = importlib.metadata.version(name)
+    now = datetime.datetime.now()
+    return {**found, "date": now.isoformat(timespec="seconds")}
 
 
 def targets(records):

@@ -4,6 +4,7 @@ in a fresh `startup_worker.py` process (docs/benchmarks.md#startup)."""
 from __future__ import annotations
 
 import procs
+import tables
 from tables import fmt
 from tables import median
 from tables import ratio
@@ -55,12 +56,8 @@ def scenario_startup(bench, workers=2):
     """Each (workload, system) `startup_repeats` times, a fresh process
     each, interleaved; one record per measurement."""
     s = bench.s
-    base = {
-        "scenario": "startup",
-        "workers": workers,
-        "steps_per_function": s.k,
-        "rounds": s.startup_rounds,
-    }
+    base = {"scenario": "startup", "workers": workers}
+    base.update(steps_per_function=s.k, rounds=s.startup_rounds)
     for workload in s.startup_workloads:
         order = list(s.startup_systems)
         for repeat in range(s.startup_repeats):
@@ -77,14 +74,8 @@ def _measure(bench, base, system, repeat):
     record = {**base, "system": system, "repeat": repeat}
     try:
         ready = child.receive(s.timeout)
-        answer = child.call(
-            "measure",
-            s.timeout,
-            system=system,
-            workload=base["workload"],
-            k=s.k,
-            rounds=s.startup_rounds,
-        )
+        args = {"system": system, "workload": base["workload"], "k": s.k}
+        answer = child.call("measure", s.timeout, **args, rounds=base["rounds"])
         answer.pop("op", None)
         bench.sink.write({**record, **answer, "ready_s": ready.get("ready_s")})
     except procs.ChildError as e:
@@ -99,24 +90,15 @@ def _ratio(a, b):
     return ratio(a, b) if b is not None and b >= 0.001 else None
 
 
-def _runs(records):
-    return [
-        r
-        for r in records
-        if r.get("scenario") == "startup" and "first_update_s" in r
-    ]
-
-
 def medians(records) -> dict:
     """{(workload, system): {field: median}} with "runs" the count."""
     found = {}
-    for r in _runs(records):
-        found.setdefault((r["workload"], r["system"]), []).append(r)
+    for r in records:
+        if r.get("scenario") == "startup" and "first_update_s" in r:
+            found.setdefault((r["workload"], r["system"]), []).append(r)
     return {
-        key: {
-            "runs": len(rs),
-            **{f: median([r.get(f) for r in rs]) for f, _ in FIELDS},
-        }
+        key: {"runs": len(rs)}
+        | {f: median([r.get(f) for r in rs]) for f, _ in FIELDS}
         for key, rs in found.items()
     }
 
@@ -129,32 +111,23 @@ def startup_targets(records):
         for ours, theirs in TARGET_PAIRS:
             a, b = found.get((workload, ours)), found.get((workload, theirs))
             if a or b:
-                rows.append(
-                    target(
-                        f"{workload}: first applied update, {ours} / {theirs}",
-                        a
-                        and b
-                        and ratio(a["first_update_s"], b["first_update_s"]),
-                        "<=",
-                        FIRST_UPDATE_AT_MOST,
-                    )
+                name = f"{workload}: first applied update, {ours} / {theirs}"
+                got = (
+                    a and b and ratio(a["first_update_s"], b["first_update_s"])
                 )
+                rows.append(target(name, got, "<=", FIRST_UPDATE_AT_MOST))
     return rows
 
 
 def startup_section(records):
     """The split per workload and system, and tf2sync / stock PSS."""
     found = medians(records)
-    failed = [
-        r for r in records if r.get("scenario") == "startup" and "error" in r
-    ]
+    failed = tables.errors(records, "startup")
     if not found and not failed:
         return []
     measured = {workload for workload, _ in found}
     described = [
-        f"* {workload}: {WORKLOAD_TEXT[workload]}"
-        for workload in WORKLOADS
-        if workload in measured
+        f"* {w}: {WORKLOAD_TEXT[w]}" for w in WORKLOADS if w in measured
     ]
     rows = []
     for workload in WORKLOADS:

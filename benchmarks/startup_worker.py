@@ -46,16 +46,9 @@ def _gc_hook(phase, info):
 gc.callbacks.append(_gc_hook)
 
 
-def _start_clock():
-    """(t0 right after a full collection, that collection's seconds)."""
-    before = time.perf_counter()
-    gc.collect()
-    t0 = time.perf_counter()
-    return t0, t0 - before
-
-
 class _Clock:
-    """Times the outermost first `schedule` (patched in this process) and,
+    """Starts right after a full collection (`collected`: its seconds);
+    times the outermost first `schedule` (patched in this process) and,
     from two threads, its function's result and the first update."""
 
     def __init__(self, iterations):
@@ -70,6 +63,10 @@ class _Clock:
         ):
             if "schedule" in vars(cls):
                 cls.schedule = self._wrap(vars(cls)["schedule"])
+        before = time.perf_counter()
+        gc.collect()
+        self.t0 = time.perf_counter()
+        self.collected = self.t0 - before
 
     def _wrap(self, schedule):
         clock = self
@@ -120,12 +117,13 @@ class _Clock:
             t.daemon = True
             t.start()
 
-    def split(self, t0, steady):
+    def split(self, steady):
         """The measurement's fields (docs/benchmarks.md#startup)."""
         for t in self._threads:
             t.join(600)
         if self.done is None or self.update is None:
             raise RuntimeError("The first function or update was not seen.")
+        t0 = self.t0
         runs = [(s, g) for a, s, g in _GC_RUNS if t0 <= a <= self.update]
         return {
             "before_schedule_s": round(self.enter - t0, 4),
@@ -156,23 +154,17 @@ class _Server:
         start = time.perf_counter()
         strategy = systems.strategy(self.resolver, sync, self.workers)
         functions = rounds * self.workers
-        common = (strategy, workload, k, "legacy")
+        common = (strategy, workload, k, "legacy", sync)
         if system.endswith("_fit"):
-            runner = systems.FitRunner(*common, sync=sync, warmup=0)
+            runner = systems.FitRunner(*common, warmup=0)
             clock = _Clock(runner.opt.iterations)
-            t0, collected = _start_clock()
             steady = runner.run(functions)["seconds"] / rounds
         elif system == "tf2sync_trainer":
-            clock, t0, collected, steady, runner = self._trainer(
-                strategy, workload, k, rounds
-            )
+            clock, steady, runner = self._trainer(strategy, workload, k, rounds)
         else:
             group = systems.loop_group(system, strategy, k)
-            runner = systems.LoopRunner(
-                *common, sync=sync, group=group, warmup=0
-            )
+            runner = systems.LoopRunner(*common, group=group, warmup=0)
             clock = _Clock(runner.opt.iterations)
-            t0, collected = _start_clock()
             runner.start()  # on the clock, as fit and Trainer build theirs
             runner.schedule(self.workers)  # one first function per worker
             runner.coordinator.join()
@@ -188,9 +180,9 @@ class _Server:
             "batch": workloads.batch(workload),
             "parameters": int(runner.model.count_params()),
             "ready_s": round(self.ready_s, 3),
-            "setup_s": round(t0 - start - collected, 4),
+            "setup_s": round(clock.t0 - start - clock.collected, 4),
             "steps": int(runner.opt.iterations.numpy()),
-            **clock.split(t0, steady),
+            **clock.split(steady),
         }
 
     def _trainer(self, strategy, workload, k, rounds):
@@ -209,7 +201,6 @@ class _Server:
             verbose=0,
         )
         clock = _Clock(opt.iterations)
-        t0, collected = _start_clock()
         batch = workloads.batch(workload)
         trainer.train(
             lambda ctx: workloads.dataset(workload, batch),
@@ -217,7 +208,7 @@ class _Server:
             steps_per_epoch=rounds * self.workers * k,
         )
         built = types.SimpleNamespace(model=model, opt=opt)
-        return clock, t0, collected, timer.seconds / rounds, built
+        return clock, timer.seconds / rounds, built
 
 
 def main(argv):

@@ -18,19 +18,15 @@ from tf2sync._src import loops  # noqa: E402
 from tf2sync._src import sharding  # noqa: E402
 from tf2sync._src.callbacks import sync_totals  # noqa: E402
 
-WARMUP_FUNCTIONS = 4
+WARMUP = 4  # functions run before any timed one
 _POLL_SECONDS = 0.02
 _worker_index = tf.distribute.coordinator.experimental_get_current_worker_index
 
 
 def result(examples, seconds, **extra) -> dict:
     rate = round(examples / seconds, 1) if seconds else 0.0
-    return {
-        "examples": int(examples),
-        "seconds": round(seconds, 4),
-        "examples_per_sec": rate,
-        **extra,
-    }
+    found = {"examples": int(examples), "seconds": round(seconds, 4)}
+    return {**found, "examples_per_sec": rate, **extra}
 
 
 def ps_bytes(variables) -> dict:
@@ -118,7 +114,7 @@ class LocalRunner:
                     replica(next(iterator))
 
         self.train = train
-        self.run(WARMUP_FUNCTIONS)
+        self.run(WARMUP)
 
     def run(self, functions, window=False):
         start = time.perf_counter()
@@ -129,30 +125,34 @@ class LocalRunner:
         return result(steps * self.batch, seconds, steps=steps)
 
 
-class LoopRunner:
-    """A custom loop on a ClusterCoordinator (`group`: None, a while loop of
-    single steps, else up to that many per iteration; `delay_s`: worker 0's
-    sleep per step; `warmup` 0: the caller calls `start()`)."""
+class _Runner:
+    """A runner on a ParameterServerStrategy, stock or tf2sync's (`sync`)."""
 
-    def __init__(
-        self,
-        strategy,
-        workload,
-        k,
-        kind,
-        *,
-        sync,
-        delay_s=0.0,
-        group=None,
-        warmup=WARMUP_FUNCTIONS,
-    ):
-        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
-            strategy
-        )
+    def __init__(self, workload, k, sync):
         self.workload = workload
         self.batch = workloads.batch(workload)
         self.k = k
         self.sync = sync
+
+    def _counts(self):
+        """(gradients in updates, updates) so far, read from the ps."""
+        applied = int(self.opt.iterations.numpy())
+        if self.sync:
+            return int(self.opt.gradients_accepted.numpy()), applied
+        return applied, applied
+
+
+class LoopRunner(_Runner):
+    """A custom loop on a ClusterCoordinator (`group`: None, a while loop of
+    single steps, else up to that many per iteration; `delay_s`: worker 0's
+    sleep per step; `warmup` 0: the caller calls `start()`)."""
+
+    def __init__(self, strategy, workload, k, kind, sync, **options):
+        super().__init__(workload, k, sync)
+        group, delay_s = options.get("group"), options.get("delay_s", 0.0)
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(
+            strategy
+        )
         loss = workloads.loss_fn(workload)
         with strategy.scope():
             model = self.model = workloads.build_model(workload)
@@ -187,6 +187,7 @@ class LoopRunner:
             return loops.repeat(step, k, group, tf.constant(0))
 
         self.train = train
+        warmup = options.get("warmup", WARMUP)
         if warmup:
             self.start()
             self.schedule(warmup)
@@ -203,13 +204,6 @@ class LoopRunner:
     def schedule(self, functions):
         for _ in range(functions):
             self.coordinator.schedule(self.train, args=(self.iterator,))
-
-    def _counts(self):
-        """(gradients in updates, updates) so far, read from the ps."""
-        applied = int(self.opt.iterations.numpy())
-        if self.sync:
-            return int(self.opt.gradients_accepted.numpy()), applied
-        return applied, applied
 
     def _sync_counts(self):
         """[stale dropped, accepted from worker 0, 1, ...] so far."""
@@ -235,11 +229,8 @@ class LoopRunner:
         extra = {"steps": steps1 - steps0}
         if self.sync:
             delta = [b - a for a, b in zip(sync0, self._sync_counts())]
-            extra.update(
-                pushes=functions * self.k,
-                stale_dropped=delta[0],
-                accepted_per_worker=delta[1:],
-            )
+            extra.update(pushes=functions * self.k, stale_dropped=delta[0])
+            extra["accepted_per_worker"] = delta[1:]
         examples = (grads1 - grads0) * self.batch
         windowed = window and _window(samples, grads0, grads1)
         if windowed:
@@ -273,7 +264,7 @@ def _sleep(seconds):
 class EpochTimer(tf.keras.callbacks.Callback):
     """Times epoch `epoch` and what `counts()` moved in it."""
 
-    def __init__(self, epoch, counts):
+    def __init__(self, epoch, counts=list):
         super().__init__()
         self.epoch = epoch
         self.counts = counts  # () -> (gradients, updates) so far
@@ -289,66 +280,49 @@ class EpochTimer(tf.keras.callbacks.Callback):
             self.done = [a - b for a, b in zip(self.counts(), self.before)]
 
 
-class FitRunner:
-    """`model.fit` with `steps_per_execution=k`, stock or tf2sync."""
+class FitRunner(_Runner):
+    """`model.fit` with `steps_per_execution=k`, stock or tf2sync (options:
+    `keras_loop`: tf_keras's own loop; `warmup` functions)."""
 
-    def __init__(
-        self,
-        strategy,
-        workload,
-        k,
-        kind,
-        *,
-        sync,
-        keras_loop=False,
-        warmup=WARMUP_FUNCTIONS,
-    ):
-        self.batch = workloads.batch(workload)
-        self.k = k
-        self.sync = sync
+    def __init__(self, strategy, workload, k, kind, sync, **options):
+        super().__init__(workload, k, sync)
         with strategy.scope():
             self.model = workloads.build_model(workload)
             inner = workloads.optimizer(kind)
             self.opt = tf2sync.SyncOptimizer(inner) if sync else inner
-            self.model.compile(
-                optimizer=self.opt,
-                loss=workloads.keras_loss(workload),
-                steps_per_execution=k,
-            )
-        if keras_loop:
+            loss = workloads.keras_loss(workload)
+            self.model.compile(self.opt, loss, steps_per_execution=k)
+        if options.get("keras_loop"):
             tf2sync.unroll_fit_steps(self.model, False)
         self.data = workloads.dataset(workload, self.batch)
+        warmup = options.get("warmup", WARMUP)
         if warmup:
             self.model.fit(
                 self.data, epochs=1, steps_per_epoch=warmup * k, verbose=0
             )
 
-    def _counts(self):
-        steps = int(self.opt.iterations.numpy())
-        if self.sync:
-            return int(self.opt.gradients_accepted.numpy()), steps
-        return steps, steps
-
     def run(self, functions, window=False):
         """One `fit` of 2 epochs of `functions` x k steps; times the 2nd."""
         timer = EpochTimer(1, self._counts)
         start = time.perf_counter()
+        steps = functions * self.k
         self.model.fit(
             self.data,
             epochs=2,
-            steps_per_epoch=functions * self.k,
+            steps_per_epoch=steps,
             verbose=0,
             callbacks=[timer],
         )
         call_seconds = time.perf_counter() - start
         grads, steps = timer.done
         self._settle()
+        examples = grads * self.batch
         return result(
-            grads * self.batch,
+            examples,
             timer.seconds,
             steps=steps,
             call_seconds=round(call_seconds, 4),
-            cpu_examples=2 * grads * self.batch,
+            cpu_examples=2 * examples,
         )
 
     def _settle(self):

@@ -33,9 +33,33 @@ def spread(values):
     return [fmt(median(values)), low_high, len(values)]
 
 
+def throughput(found, cpu, cells, heads, lead, bases):
+    """The (header, rows) of `cells` that ran: `lead(*cell)` (columns
+    `heads`), the spread of `found[cell]`, the median's ratio to each of
+    `bases` ({column: a cell, None where it is the row's}), CPU us / ex."""
+    rows = []
+    for cell in (c for c in cells if found.get(c)):
+        mid = median(found[cell])
+        row = [*lead(*cell), *spread(found[cell])]
+        for base in bases.values():
+            base = tuple(c if b is None else b for b, c in zip(base, cell))
+            row.append(fmt(ratio(mid, median(found.get(base))), ".2f"))
+        rows.append(row + [fmt(median(cpu.get(cell)), ".1f")])
+    header = [*heads, "median ex/s", "min - max", "runs", *bases]
+    return header + ["CPU us / ex"], rows
+
+
 def table(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return lines + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def columns(columns, rows):
+    """A (header, rows) table of `columns`: (header, key, format or None)."""
+    return [name for name, _, _ in columns], [
+        [r[k] if spec is None else fmt(r[k], spec) for _, k, spec in columns]
+        for r in rows
+    ]
 
 
 def lines(blocks):

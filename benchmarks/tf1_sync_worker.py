@@ -35,12 +35,9 @@ v1 = tf.compat.v1
 
 def _start_cluster(num_workers, num_ps=1):
     ports = cluster.pick_free_ports(num_workers + num_ps)
-    spec = tf.train.ClusterSpec(
-        {
-            "worker": [f"127.0.0.1:{p}" for p in ports[:num_workers]],
-            "ps": [f"127.0.0.1:{p}" for p in ports[num_workers:]],
-        }
-    )
+    hosts = [f"{cluster.LOOPBACK}:{p}" for p in ports]
+    spec = {"worker": hosts[:num_workers], "ps": hosts[num_workers:]}
+    spec = tf.train.ClusterSpec(spec)
     # Fewer inter-op threads than workers + 1 hang on a 2-core machine.
     config = v1.ConfigProto(inter_op_parallelism_threads=num_workers + 2)
     servers = [
@@ -71,12 +68,11 @@ class _Replica:
                 data = workloads.dataset(workload, workloads.batch(workload))
                 x, y = v1.data.make_one_shot_iterator(data).get_next()
                 loss = workloads.loss_fn(workload)(y, model(x))
+                momentum = v1.train.MomentumOptimizer(
+                    workloads.LEARNING_RATE, workloads.MOMENTUM
+                )
                 opt = v1.train.SyncReplicasOptimizer(
-                    v1.train.MomentumOptimizer(
-                        workloads.LEARNING_RATE, workloads.MOMENTUM
-                    ),
-                    replicas_to_aggregate=num_workers,
-                    total_num_replicas=num_workers,
+                    momentum, num_workers, total_num_replicas=num_workers
                 )
                 self.train_op = opt.minimize(loss, global_step=self.global_step)
                 self.ps_bytes = systems.ps_bytes(v1.global_variables())
@@ -137,14 +133,12 @@ class _Server:
             _Replica(spec, i, s.target, *args) for i, s in enumerate(servers)
         ]
         for replica in self.replicas:
-            threading.Thread(
-                target=self._train, args=(replica,), daemon=True
-            ).start()
+            train = threading.Thread(target=self._train, args=(replica,))
+            train.daemon = True
+            train.start()
         self._until(steps)
-        return {
-            "global_step": self.replicas[0].read_step(),
-            "ps_bytes": self.replicas[0].ps_bytes,
-        }
+        chief = self.replicas[0]
+        return {"global_step": chief.read_step(), "ps_bytes": chief.ps_bytes}
 
     def _train(self, replica):
         try:

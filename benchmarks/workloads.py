@@ -54,28 +54,17 @@ def build_model(workload: str) -> tf.keras.Model:
             [layers.Dense(64, "relu", input_shape=(32,)), layers.Dense(10)]
         )
     if workload == "w2":
-        return tf.keras.Sequential(
-            [
-                layers.Conv2D(
-                    32, 3, activation="relu", input_shape=(32, 32, 3)
-                ),
-                layers.Conv2D(64, 3, 2, activation="relu"),
-                layers.Conv2D(64, 3, 2, activation="relu"),
-                layers.GlobalAveragePooling2D(),
-                layers.Dense(10),
-            ]
-        )
+        first = layers.Conv2D(32, 3, activation="relu", input_shape=(32, 32, 3))
+        convs = [layers.Conv2D(64, 3, 2, activation="relu") for _ in range(2)]
+        pool = layers.GlobalAveragePooling2D()
+        return tf.keras.Sequential([first, *convs, pool, layers.Dense(10)])
     if vocab(workload):
-        return tf.keras.Sequential(
-            [
-                layers.Embedding(
-                    vocab(workload), EMBED_DIM, input_length=IDS_PER_EXAMPLE
-                ),
-                layers.GlobalAveragePooling1D(),
-                layers.Dense(64, activation="relu"),
-                layers.Dense(1),
-            ]
+        rows = layers.Embedding(
+            vocab(workload), EMBED_DIM, input_length=IDS_PER_EXAMPLE
         )
+        mean = layers.GlobalAveragePooling1D()
+        dense = [layers.Dense(64, activation="relu"), layers.Dense(1)]
+        return tf.keras.Sequential([rows, mean, *dense])
     if workload == "digits":
         return _digits().build_model()
     if workload == "resnet50":
