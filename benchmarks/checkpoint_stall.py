@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 
 import systems
 import tensorflow as tf
@@ -22,6 +23,22 @@ _WORKERS = flags.DEFINE_integer("workers", 2, "Workers (1 ps).")
 _STEPS = flags.DEFINE_integer("steps", 400, "Steps per epoch (all workers).")
 _EVERY = flags.DEFINE_integer("every_steps", 100, "Steps between saves.")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Epochs of each kind measured.")
+
+
+class _TimedCheckpoint(tf2sync.SyncCheckpoint):
+    """Adds up the seconds its saves inside the epoch take after their
+    join (the join drains steps already scheduled, which still run):
+    workers idle meanwhile. Apart from the CPU a background write takes
+    from the steps on shared cores."""
+
+    paused = 0.0
+
+    def _save(self, suffix):
+        began = time.perf_counter()
+        path = super()._save(suffix)
+        if "_" in suffix:  # inside the epoch
+            self.paused += time.perf_counter() - began
+        return path
 
 
 def _fit(model, data, saver):
@@ -53,10 +70,11 @@ def main(argv):
     saves = (_STEPS.value - 1) // _EVERY.value  # the epoch's end aside
     kinds = {"no saves": None, "saves": False, "background saves": True}
     seconds = {kind: [] for kind in kinds}
+    paused = {kind: [] for kind in kinds}
     for i in range(_ROUNDS.value + 1):
         for kind, background in kinds.items():
             # A new directory each time: a saver resumes from its newest.
-            saver = background is not None and tf2sync.SyncCheckpoint(
+            saver = background is not None and _TimedCheckpoint(
                 tempfile.mkdtemp(),
                 every_steps=_EVERY.value,
                 background=background,
@@ -64,6 +82,7 @@ def main(argv):
             took = _fit(model, data, saver)
             if i:  # the first of each kind sets up
                 seconds[kind].append(took)
+                paused[kind].append(saver.paused / saves if saver else 0.0)
     median = {kind: statistics.median(s) for kind, s in seconds.items()}
     plain_s = median["no saves"]
     step_s = plain_s / (_STEPS.value / workers)  # rta = workers
@@ -74,9 +93,11 @@ def main(argv):
     )
     for kind in kinds:
         stall = (median[kind] - plain_s) / saves
+        pause = statistics.median(paused[kind])
         print(
             f"{kind}: epoch {median[kind]:.3f} s, stall per save "
-            f"{stall * 1000:.1f} ms = {stall / step_s:.2f} steps"
+            f"{stall * 1000:.1f} ms = {stall / step_s:.2f} steps; idle after "
+            f"the join {pause * 1000:.1f} ms a save = {pause / step_s:.2f} steps"
         )
 
 
