@@ -66,6 +66,7 @@ _FLAGS = {
     "restart_delay": (5.0, None, "Seconds before a killed task restarts."),
     "worker_timeout": (10.0, None, "The chief's --worker_timeout."),
     "checkpoint_every_s": (0.0, None, "The chief's (0: saves at epoch ends)."),
+    "checkpoint_in_background": (False, None, "The chief's flag of that name."),
     "token_timeout": (-1.0, None, "The chief's --token_timeout (-1: its own)."),
     "run_timeout": (900.0, None, "Seconds before a run is abandoned."),
     "keep": (False, None, "Keep each run's directory."),
@@ -280,6 +281,8 @@ class ClusterRun(Run):
                 args.append(f"--{name}={s[name]:g}")
         if s.get("checkpoint_every_s"):
             args.append(f"--checkpoint_every_s={s['checkpoint_every_s']:g}")
+        if s.get("checkpoint_in_background"):
+            args.append("--checkpoint_in_background")
         self.start(f"chief{len(self.started)}", *args)
 
     @property
@@ -453,7 +456,10 @@ def _name(o):
     num_ps = s.get("num_ps", 1)  # runs recorded before the flag: 1
     text = text if num_ps == 1 else f"{text}, {num_ps} ps"
     every = s.get("checkpoint_every_s")
-    return f"{text}, a save every {every:g} s" if every else text
+    text = f"{text}, a save every {every:g} s" if every else text
+    return text + ", in the background" * bool(
+        s.get("checkpoint_in_background")
+    )
 
 
 def table(outcomes):
