@@ -97,7 +97,8 @@ def main(argv):
         print(
             f"{kind}: epoch {median[kind]:.3f} s, stall per save "
             f"{stall * 1000:.1f} ms = {stall / step_s:.2f} steps; idle after "
-            f"the join {pause * 1000:.1f} ms a save = {pause / step_s:.2f} steps"
+            f"the join {pause * 1000:.1f} ms a save = "
+            f"{pause / step_s:.2f} steps"
         )
 
 
