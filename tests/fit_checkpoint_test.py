@@ -167,8 +167,14 @@ class BackgroundSaveTest(absltest.TestCase):
             saver.save(2)
             with self.assertRaisesRegex(OSError, "disk full"):
                 saver.wait()
+            saver.wait()  # raised once
+            # Before a new run: logged, not raised (its restore takes the
+            # save before).
+            saver.save(3)
+            with self.assertLogs(level="WARNING") as logs:
+                saver.settle()
+        self.assertIn("disk full", "\n".join(logs.output))
         self.assertEqual(tf.train.latest_checkpoint(directory), first)
-        saver.wait()  # raised once
 
 
 class ResumeInsideAnEpochTest(parameterized.TestCase):

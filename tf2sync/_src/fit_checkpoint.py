@@ -157,10 +157,7 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         model = self.model
         if self._saver is not None:  # a write an interrupted fit left
-            try:
-                self._saver.wait()
-            except Exception as error:  # noqa: BLE001 - the save before it stays
-                logging.warning("tf2sync: the last save failed: %s", error)
+            self._saver.settle()
         self._prepare_checkpoint()
         try:
             sync = callbacks_lib.find_sync_optimizer(model.optimizer)

@@ -163,6 +163,14 @@ class OneTraceSaver:
             logging.error("tf2sync: a background checkpoint write failed.")
             raise error
 
+    def settle(self) -> None:
+        """`wait`, logging a failed write rather than raising it: before a
+        new run, whose restore takes the save before it."""
+        try:
+            self.wait()
+        except Exception as error:  # noqa: BLE001 - the save before stays
+            logging.warning("tf2sync: the last save failed: %s", error)
+
     def _record(self, directory, path):
         """The state file lists `path` last, with the manager's timestamps;
         checkpoints past `max_to_keep` are deleted."""

@@ -273,7 +273,7 @@ class Trainer(trainer_epochs.EpochsMixin):
         checks.steps_per_epoch(steps_per_epoch, service, self._sync.tf1_order)
         checks.epochs(epochs)
         if self._saver:  # a write an interrupted `train` left
-            self._saver.wait()
+            self._saver.settle()
         first_step = self._restore_latest_checkpoint()
         if self._saver:  # traced while every task answers
             self._saver.prepare()
