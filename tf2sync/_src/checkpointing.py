@@ -86,6 +86,14 @@ def _variables_by_key(root):
             queue.append((f"{prefix}/{escaped}" if prefix else escaped, child))
 
 
+def check_flag(name: str, value) -> None:
+    """Refuses a checkpoint option (`name`) that is not a bool."""
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"`{name}` must be True or False. Received: {name}={value!r}"
+        )
+
+
 def check_every(name: str, value, kind) -> None:
     """Refuses a save cadence (`every_steps`: `kind` int; seconds: a
     number) that is not None nor a positive finite number."""

@@ -102,11 +102,7 @@ class SyncCheckpoint(tf_keras.callbacks.Callback):
                 "`max_to_keep` must be an int > 0. Received: "
                 f"max_to_keep={max_to_keep!r}"
             )
-        if not isinstance(background, bool):
-            raise ValueError(
-                "`background` must be True or False. Received: "
-                f"background={background!r}"
-            )
+        checkpointing.check_flag("background", background)
         self.directory = str(directory)
         self.background = background
         self.every_steps = every_steps

@@ -8,10 +8,10 @@ import threading
 import time
 
 import tensorflow as tf
-import tf_keras
 from absl import logging
 
 from tf2sync._src import checkpointing
+from tf2sync._src import keras_compat
 from tf2sync._src.internals import checkpoints as checkpoints_internals
 
 
@@ -229,11 +229,7 @@ def _variable_ids(checkpoint) -> frozenset:
     return frozenset(ids)
 
 
-_OPTIMIZERS = (
-    tf.compat.v1.train.Optimizer,
-    tf_keras.optimizers.Optimizer,
-    tf_keras.optimizers.legacy.Optimizer,
-)
+_OPTIMIZERS = (tf.compat.v1.train.Optimizer, *keras_compat.KERAS_OPTIMIZERS)
 
 
 def _snapshot_of(variable) -> tf.Variable:

@@ -158,7 +158,9 @@ class Trainer(trainer_epochs.EpochsMixin):
         self._cadence = checks.checkpoint_cadence(
             checkpoint_dir, checkpoint_every_steps, checkpoint_every_seconds
         )
-        checks.flag("checkpoint_in_background", checkpoint_in_background)
+        checkpointing.check_flag(
+            "checkpoint_in_background", checkpoint_in_background
+        )
         self.strategy = strategy
         self.model = model
         self.optimizer = optimizer

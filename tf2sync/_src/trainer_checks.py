@@ -203,14 +203,6 @@ def checkpoint_cadence(checkpoint_dir, every_steps, every_seconds):
     return cadence
 
 
-def flag(name: str, value) -> None:
-    """Raises `ValueError` unless `value` (argument `name`) is a bool."""
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"`{name}` must be True or False. Received: {name}={value!r}"
-        )
-
-
 def checkpoint_dir(checkpoint_dir) -> None:
     """Refuses a `checkpoint_dir` the first save could not write (a file,
     a directory it cannot write or create), before anything trains."""
